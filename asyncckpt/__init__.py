@@ -1,0 +1,32 @@
+"""asyncckpt: asynchronous, compressed checkpoints for PyTorch training.
+
+``save()`` snapshots the state and returns at once; a worker thread compresses (zstd on CPU,
+nvCOMP on GPU), writes (POSIX, or KvikIO/GPUDirect Storage), fsyncs and commits atomically.
+"""
+
+from ._version import __version__
+from .checkpointer import AsyncCheckpointer
+from .errors import CheckpointError, CorruptCheckpointError, MissingDependencyError, SaveFailedError
+from .handle import SaveHandle
+from .layout import CheckpointInfo, latest_step, list_checkpoints
+from .loader import VerifyReport, load, verify
+from .options import CheckpointOptions
+from .result import SaveResult
+
+__all__ = [
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointOptions",
+    "CorruptCheckpointError",
+    "MissingDependencyError",
+    "SaveFailedError",
+    "SaveHandle",
+    "SaveResult",
+    "VerifyReport",
+    "__version__",
+    "latest_step",
+    "list_checkpoints",
+    "load",
+    "verify",
+]

@@ -1,0 +1,56 @@
+"""Choose the stager, encoder and storage for a checkpointer's options on this machine.
+
+The CPU path (host staging, zstd/none, POSIX) needs nothing optional. Anything that asks for
+the GPU (a GPU codec, ``device``/``fence`` snapshots) goes through :mod:`asyncckpt.gpu`, which
+imports nvCOMP/KvikIO lazily and fails with the pip line to run when they are missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .codecs import Encoder, NoneCodec, ZstdCodec
+from .errors import CheckpointError, MissingDependencyError, gpu_extra_hint
+from .options import CheckpointOptions
+from .snapshot import HostStager, Stager
+from .storage import PosixStorage, Storage
+
+CPU_ENCODERS = ("auto", "zstd", "none")
+
+
+@dataclass
+class Backend:
+    stager: Stager
+    encoder: Encoder
+    storage: Storage
+    snapshot_mode: str
+
+    def close(self) -> None:
+        self.stager.close()
+        close = getattr(self.encoder, "close", None)
+        if close is not None:
+            close()
+
+
+def cpu_encoder(options: CheckpointOptions) -> Encoder:
+    if options.codec == "none":
+        return NoneCodec()
+    return ZstdCodec(level=options.zstd_level)
+
+
+def build_backend(options: CheckpointOptions) -> Backend:
+    """Pick the data path. Runs once, on the thread that builds the checkpointer."""
+    wants_gpu = options.codec not in CPU_ENCODERS or options.snapshot in ("device", "fence")
+    if wants_gpu:
+        try:
+            from .gpu.backend import build_gpu_backend
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"codec={options.codec!r} snapshot={options.snapshot!r} needs the GPU path, which is not "
+                f"available: {exc}\nInstall it with:\n{gpu_extra_hint()}"
+            ) from exc
+        return build_gpu_backend(options)
+    if options.snapshot not in ("auto", "host"):
+        raise CheckpointError(f"snapshot={options.snapshot!r} needs a CUDA GPU")
+    stager = HostStager(slots=options.max_inflight, budget_bytes=options.host_staging_budget_bytes)
+    return Backend(stager=stager, encoder=cpu_encoder(options), storage=PosixStorage(), snapshot_mode="host")

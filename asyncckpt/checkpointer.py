@@ -1,0 +1,258 @@
+"""The asynchronous checkpointer: snapshot on the training thread, persist on a worker thread.
+
+Threads:
+
+* the **training thread** calls :meth:`AsyncCheckpointer.save`; it validates the state,
+  waits for an in-flight slot (backpressure), stages a snapshot and returns a
+  :class:`SaveHandle` — no compression, no I/O;
+* one **worker thread** (``asyncckpt-worker``) persists snapshots in order
+  (:func:`asyncckpt.persist.persist`). It never issues collectives.
+
+Errors from the worker are never swallowed: the handle's ``result()`` raises them, and the
+checkpointer raises the first unreported one from the next ``save()``, ``wait()`` or
+``close()`` (once). A checkpointer dropped with saves in flight warns; at interpreter exit
+in-flight saves are finished (``atexit``) rather than lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .backend import build_backend
+from .errors import CheckpointError, SaveFailedError
+from .handle import SaveHandle
+from .layout import checkpoint_name, remove_stale_temporaries
+from .observer import NullObserver, SaveObserver
+from .options import resolve_options
+from .persist import SaveJob, persist
+from .result import SaveResult
+from .tree import flatten
+
+log = logging.getLogger("asyncckpt")
+
+_STOP = object()
+
+
+class AsyncCheckpointer:
+    """Saves training state in the background.
+
+    Args:
+        directory: run directory; checkpoints go to ``directory/step-NNNNNNNNNN``.
+        observer: receives save events (metrics); default: the Prometheus exporter if
+            ``metrics_port`` (or ``ASYNCCKPT_METRICS_PORT``) is set or ``registry`` is given.
+        registry: a ``prometheus_client.CollectorRegistry`` to record metrics into.
+        **options: any field of :class:`~asyncckpt.options.CheckpointOptions`
+            (``keep_last``, ``max_inflight``, ``when_busy``, ``codec``, ``snapshot``, ...).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, observer: SaveObserver | None = None,
+                 registry: Any = None, **options: Any) -> None:  # fmt: skip
+        self.options = resolve_options(**options)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale_temporaries(self.directory):
+            log.info("asyncckpt: removed %s, left by a process that died mid-save", stale)
+        self._observer = observer if observer is not None else _default_observer(self.options, registry)
+        self._backend = build_backend(self.options)
+        self._slots = threading.BoundedSemaphore(self.options.max_inflight)
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._inflight: dict[int, SaveHandle] = {}
+        self._unreported: SaveFailedError | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="asyncckpt-worker", daemon=True)
+        self._worker.start()
+        # Finish in-flight saves at interpreter exit instead of losing them with the daemon thread.
+        self._atexit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._atexit)
+
+    # ------------------------------------------------------------------ training thread
+    def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+        """Snapshot ``state`` and persist it in the background as checkpoint ``step``.
+
+        Returns once the snapshot is staged (``handle.staged``): the caller may then mutate
+        its tensors. Blocks only to wait for an in-flight slot (``max_inflight``), and that
+        wait counts as stall. Runs on the training thread; no compression or I/O happens here.
+
+        Raises:
+            TypeError: the state holds an object asyncckpt cannot store (names its key path),
+                or ``metadata`` is not JSON-serialisable.
+            SaveFailedError: an earlier background save failed (raised once).
+            CheckpointError: ``step`` is invalid or already saved; the checkpointer is closed.
+        """
+        started = time.perf_counter()
+        self._check_usable()
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        metadata = _checked_metadata(metadata)
+        flat = flatten(state)
+        with self._lock:
+            if step in self._inflight or (self.directory / checkpoint_name(step)).exists():
+                raise CheckpointError(
+                    f"step {step} is already saved or being saved in {self.directory}; use a new step number"
+                )
+        if self.options.when_busy == "skip":
+            if not self._slots.acquire(blocking=False):
+                self._observer.save_skipped()
+                handle = SaveHandle(step)
+                handle._finish(SaveResult(step=step, path=None, skipped=True))
+                return handle
+        else:
+            self._slots.acquire()
+        try:
+            self._raise_unreported()  # a save that failed while we waited for its slot
+            began = time.perf_counter()
+            snapshot = self._backend.stager.stage(flat.tensors)
+            staged_at = time.perf_counter()
+        except BaseException:
+            self._slots.release()
+            raise
+        handle = SaveHandle(step)
+        handle._set_staged()
+        stall = staged_at - started
+        job = SaveJob(step=step, structure=flat.skeleton, snapshot=snapshot, metadata=metadata,
+                      created_unix=time.time(), started=started, stall_seconds=stall,
+                      snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode)  # fmt: skip
+        with self._lock:
+            self._inflight[step] = handle
+            inflight = len(self._inflight)
+        self._jobs.put((job, handle))
+        self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every in-flight save is done; raise the first unreported failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            handles = list(self._inflight.values())
+        for handle in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.wait(left):
+                raise CheckpointError(f"in-flight saves not finished after {timeout} s")
+        self._raise_unreported()
+
+    def close(self) -> None:
+        """Finish in-flight saves, stop the worker, and raise the first unreported failure. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        self._jobs.put(_STOP)
+        self._worker.join()
+        self._backend.close()
+        self._raise_unreported()
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        if exc is None:
+            self.close()
+            return
+        try:  # the body already failed: finish saves, but don't mask its exception
+            self.close()
+        except CheckpointError as error:
+            log.error("asyncckpt: a background save failed too: %s", error)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and self.inflight:
+            warnings.warn(
+                f"AsyncCheckpointer({str(self.directory)!r}) dropped with {self.inflight} save(s) in flight; "
+                "call close() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CheckpointError("this AsyncCheckpointer is closed")
+        self._raise_unreported()
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            error, self._unreported = self._unreported, None
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            job, handle = item
+            try:
+                result = persist(job, self.directory, self._backend.encoder, self._backend.storage,
+                                 self.options.keep_last)  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread, never swallowed
+                error = SaveFailedError(
+                    f"saving step {job.step} to {self.directory} failed: {type(exc).__name__}: {exc}. "
+                    f"The latest good checkpoint is unchanged."
+                )
+                error.__cause__ = exc
+                with self._lock:
+                    self._inflight.pop(job.step, None)
+                    if self._unreported is None:
+                        self._unreported = error
+                    inflight = len(self._inflight)
+                self._slots.release()
+                log.error("%s", error)
+                self._observer.save_failed(exc, inflight)
+                handle._fail(error)
+                continue
+            with self._lock:
+                self._inflight.pop(job.step, None)
+                inflight = len(self._inflight)
+            self._slots.release()
+            log.info("asyncckpt: step %d committed: %d -> %d bytes in %.3f s", result.step, result.raw_bytes,
+                     result.stored_bytes, result.durable_seconds)  # fmt: skip
+            self._observer.save_finished(result, inflight)
+            handle._finish(result)
+
+
+def _close_at_exit(ref: weakref.ReferenceType[AsyncCheckpointer]) -> Any:
+    def close() -> None:
+        checkpointer = ref()
+        if checkpointer is not None and not checkpointer._closed:
+            try:
+                checkpointer.close()
+            except CheckpointError as error:
+                log.error("asyncckpt: at exit: %s", error)
+
+    return close
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        return dict(json.loads(json.dumps(metadata, allow_nan=False)))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable (no nan/inf): {exc}") from exc
+
+
+def _default_observer(options: Any, registry: Any) -> SaveObserver:
+    if options.metrics_port is None and registry is None:
+        return NullObserver()
+    from .metrics import PrometheusObserver  # prometheus-client is imported only when asked for
+
+    return PrometheusObserver.create(options=options, registry=registry)

@@ -1,0 +1,50 @@
+"""Codecs: which encoder compresses a tensor, and which decoder reads a blob back.
+
+Built in (host buffers): ``none`` and ``zstd`` (byte planes + Zstandard). The GPU codecs
+(nvCOMP) register themselves here when :mod:`asyncckpt.gpu` is importable; a manifest that
+names a codec this machine cannot decode fails with an error that says what to install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import CheckpointError, CorruptCheckpointError, gpu_extra_hint
+from .base import Decoder, EncodedBlob, Encoder
+from .none import NoneCodec
+from .zstd import ZstdCodec
+
+__all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "ZstdCodec", "get_decoder", "register_decoder",
+           "GPU_ONLY_CODECS", "CPU_CODECS"]  # fmt: skip
+
+CPU_CODECS = ("none", "zstd")
+"""Codec names a CPU-only machine can decode."""
+
+GPU_ONLY_CODECS = frozenset({"ans", "gdeflate", "bitcomp", "cascaded"})
+"""nvCOMP formats with no CPU decoder: reading them needs a GPU and the GPU extra."""
+
+_decoder_factories: dict[str, Callable[[], Decoder]] = {"none": NoneCodec, "zstd": ZstdCodec}
+_decoders: dict[str, Decoder] = {}
+
+
+def register_decoder(name: str, factory: Callable[[], Decoder]) -> None:
+    """Make ``name`` decodable (used by the GPU package for nvCOMP formats)."""
+    _decoder_factories[name] = factory
+    _decoders.pop(name, None)
+
+
+def get_decoder(name: object, where: str) -> Decoder:
+    """The decoder for a codec named in a manifest; ``where`` locates it in error messages."""
+    if not isinstance(name, str):
+        raise CorruptCheckpointError(f"{where}: codec name is not a string: {name!r}")
+    if name not in _decoder_factories:
+        if name in GPU_ONLY_CODECS:
+            raise CheckpointError(
+                f"{where}: codec {name!r} is an nvCOMP GPU format and needs a CUDA GPU with the GPU extra to "
+                f"decode:\n{gpu_extra_hint()}\nOr convert the checkpoint on a GPU machine: "
+                "asyncckpt convert CKPT OUT --codec zstd"
+            )
+        raise CorruptCheckpointError(f"{where}: unknown codec {name!r} (known: {sorted(_decoder_factories)})")
+    if name not in _decoders:
+        _decoders[name] = _decoder_factories[name]()
+    return _decoders[name]

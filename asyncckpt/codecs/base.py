@@ -1,0 +1,64 @@
+"""The codec plug-in interface.
+
+A codec turns the raw bytes of one tensor into a blob of independently decodable chunks and
+back. Chunks exist because nvCOMP's batched GPU codecs cap a chunk's size (16 MiB for ANS in
+RAW mode) and because independent chunks let the CPU codec use every core. A blob is the
+chunks back to back; the manifest records each chunk's stored and raw size, so a decoder
+never has to trust a length found inside the compressed data.
+
+Buffers are 1-D ``torch.uint8`` tensors on the CPU or on a CUDA device, so one interface
+serves the CPU codecs (host buffers) and nvCOMP (device buffers) alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class EncodedBlob:
+    """One tensor's stored form."""
+
+    data: torch.Tensor
+    """1-D uint8, the chunks back to back (host or device memory)."""
+    codec: str
+    """The manifest name of the codec that produced it (``"none"``, ``"zstd"``, ...)."""
+    chunks: list[tuple[int, int]]
+    """``(stored_bytes, raw_bytes)`` per chunk, in order."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Codec parameters that decoding needs, written to the manifest (JSON values only)."""
+
+    @property
+    def stored_bytes(self) -> int:
+        return int(self.data.numel())
+
+
+class Encoder(Protocol):
+    """Compresses tensors for one checkpointer; used by its worker thread only."""
+
+    name: str
+
+    def encode(self, raw: torch.Tensor, dtype: torch.dtype, key: str) -> EncodedBlob:
+        """Encode ``raw`` (1-D uint8, the bytes of a tensor of ``dtype``) stored under ``key``.
+
+        Runs on the checkpoint worker thread. ``raw`` must not be modified.
+        """
+        ...
+
+
+class Decoder(Protocol):
+    """Decodes blobs of one codec name."""
+
+    def decode(
+        self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any], out: torch.Tensor
+    ) -> None:
+        """Decode ``blob`` into ``out`` (1-D uint8 of exactly the raw size, same device kind).
+
+        Raises ``CorruptCheckpointError`` (without location; the caller adds it) if a chunk
+        does not decode to exactly its recorded raw size.
+        """
+        ...

@@ -1,0 +1,173 @@
+"""Where checkpoints live in a directory, and how one becomes visible atomically.
+
+::
+
+    runs/exp1/
+      step-0000000300/          one committed checkpoint: manifest.json + data files
+      step-0000000400/
+      .tmp-step-0000000500-<host>-<pid>-<nonce>/   a save in progress (never read)
+      latest                    text: the name of the newest committed checkpoint
+
+Why rename rather than a "commit" marker file: a directory rename is atomic on POSIX file
+systems, so a reader sees either no ``step-*`` directory or a complete one, and a crash at any
+moment leaves only a ``.tmp-*`` directory that every reader ignores. The ``latest`` pointer
+is replaced the same way (write a temporary file, fsync, rename). If the pointer is missing or
+names a directory that is gone, readers fall back to the highest committed step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+from .manifest import MANIFEST_NAME
+
+LATEST_NAME = "latest"
+_CKPT_DIR = re.compile(r"step-(\d{10,20})")
+_TMP_DIR = re.compile(r"\.tmp-step-\d+-(?P<host>[^/]+)-(?P<pid>\d+)-[0-9a-f]+")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def temporary_dir(root: Path, step: int) -> Path:
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return root / f".tmp-{checkpoint_name(step)}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``directory``, oldest step first."""
+    root = Path(directory)
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = _CKPT_DIR.fullmatch(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and (Path(entry.path) / MANIFEST_NAME).is_file():
+            found.append(CheckpointInfo(step=int(match.group(1)), path=Path(entry.path)))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
+    """The checkpoint the ``latest`` pointer names, else the highest committed step, else None."""
+    root = Path(directory)
+    committed = list_checkpoints(root)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
+        for info in committed:
+            if info.path.name == name:
+                return info
+    return committed[-1] if committed else None
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """Step of the latest committed checkpoint under ``directory``, or None if there is none."""
+    info = latest_checkpoint(directory)
+    return None if info is None else info.step
+
+
+def resolve_checkpoint(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "latest") -> Path:
+    """The checkpoint directory meant by a run directory plus ``step``, or a checkpoint path itself."""
+    path = Path(directory_or_checkpoint)
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoint directory")
+    if step == "latest":
+        info = latest_checkpoint(path)
+        if info is None:
+            raise CheckpointError(f"{path}: no committed checkpoint in this directory")
+        return info.path
+    if type(step) is not int:
+        raise CheckpointError(f"step must be an int or 'latest', got {step!r}")
+    candidate = path / checkpoint_name(step)
+    if not (candidate / MANIFEST_NAME).is_file():
+        steps = [c.step for c in list_checkpoints(path)]
+        raise CheckpointError(f"{path}: no committed checkpoint for step {step} (committed steps: {steps})")
+    return candidate
+
+
+def commit(tmp_dir: Path, final_dir: Path) -> None:
+    """Make a fully written, fsynced ``tmp_dir`` visible as ``final_dir`` and point ``latest`` at it."""
+    fsync_dir(tmp_dir)
+    if final_dir.exists():
+        raise CheckpointError(f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it")
+    os.rename(tmp_dir, final_dir)
+    root = final_dir.parent
+    fsync_dir(root)
+    pointer_tmp = root / f".{LATEST_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    with open(pointer_tmp, "w", encoding="utf-8") as f:
+        f.write(final_dir.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, root / LATEST_NAME)
+    fsync_dir(root)
+
+
+def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> list[Path]:
+    """Delete committed checkpoints beyond the newest ``keep_last``; returns what was deleted.
+
+    Never deletes ``protect`` (the checkpoint just committed) or the newest committed one.
+    """
+    if keep_last is None:
+        return []
+    committed = list_checkpoints(directory)
+    keep = {c.path for c in committed[-keep_last:]} | {protect}
+    if committed:
+        keep.add(committed[-1].path)
+    deleted = []
+    for info in committed:
+        if info.path not in keep:
+            # Rename first so a reader never sees a half-deleted directory as a checkpoint.
+            doomed = info.path.with_name(f".deleting-{info.path.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(info.path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            deleted.append(info.path)
+    return deleted
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove ``.tmp-*`` directories left by dead processes of this host (a crash mid-save)."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            match = _TMP_DIR.fullmatch(entry.name)
+            if match and match.group("host") == host and not _pid_alive(int(match.group("pid"))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

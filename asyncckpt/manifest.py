@@ -1,0 +1,188 @@
+"""The manifest: one JSON document that describes a checkpoint (format v1, docs/format.md).
+
+Writing is plain ``json.dumps`` of dataclasses. Reading treats the file as hostile input:
+every field is type- and range-checked before anything is allocated or opened, and every
+error is a :class:`CorruptCheckpointError` that names the manifest and the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .dtypes import dtype_from_name
+from .errors import CorruptCheckpointError
+
+FORMAT_NAME = "asyncckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_TENSOR_BYTES = 1 << 46
+"""64 TiB: larger than any tensor a node can hold; anything bigger is a corrupt size."""
+MAX_DIMS = 64
+
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class Checksum:
+    algorithm: str
+    value: str
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where and how one tensor is stored."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    device: str
+    file: str
+    offset: int
+    stored_bytes: int
+    raw_bytes: int
+    codec: str
+    codec_params: dict[str, Any]
+    chunks: list[list[int]]
+    checksum: Checksum
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    created_unix: float
+    library_version: str
+    tensors: list[TensorRecord]
+    structure: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    io_mode: str = "posix"
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.raw_bytes for t in self.tensors)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.stored_bytes for t in self.tensors)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, allow_nan=False).encode()
+
+
+def read_manifest(checkpoint_dir: Path) -> Manifest:
+    """Read and validate ``checkpoint_dir/manifest.json``."""
+    path = checkpoint_dir / MANIFEST_NAME
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{checkpoint_dir}: no {MANIFEST_NAME}; not a committed asyncckpt checkpoint"
+        ) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read manifest: {exc}") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    return parse_manifest(data, str(path))
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    try:
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
+    fields = _Fields(doc, where)
+    fmt = fields.get("format", str)
+    if fmt != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: format is {fmt!r}, not an asyncckpt manifest")
+    version = fields.get("format_version", int)
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where}: format version {version} is not supported by this asyncckpt (reads version {FORMAT_VERSION}); "
+            "upgrade asyncckpt to read it"
+        )
+    raw_tensors = fields.get("tensors", list)
+    tensors = [_parse_tensor(item, f"{where}: tensors[{i}]") for i, item in enumerate(raw_tensors)]
+    return Manifest(
+        step=fields.nonnegative("step"),
+        created_unix=float(fields.get("created_unix", (int, float))),
+        library_version=fields.get("library_version", str),
+        tensors=tensors,
+        structure=fields.get("structure", dict),
+        metadata=fields.get("metadata", dict),
+        io_mode=fields.get("io_mode", str),
+    )
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+class _Fields:
+    """Typed access to a JSON object's fields with errors that say where."""
+
+    def __init__(self, doc: object, where: str) -> None:
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        self.doc, self.where = doc, where
+
+    def get(self, name: str, kind: type | tuple[type, ...]) -> Any:
+        if name not in self.doc:
+            raise CorruptCheckpointError(f"{self.where}: missing field {name!r}")
+        value = self.doc[name]
+        # bool is an int subclass; a size of `true` is a corrupt manifest, not 1.
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise CorruptCheckpointError(f"{self.where}: field {name!r} has type {type(value).__name__}")
+        return value
+
+    def nonnegative(self, name: str, limit: int = 1 << 62) -> int:
+        value: int = self.get(name, int)
+        if not 0 <= value <= limit:
+            raise CorruptCheckpointError(f"{self.where}: field {name!r} = {value} is out of range [0, {limit}]")
+        return value
+
+
+def _parse_tensor(item: object, where: str) -> TensorRecord:
+    f = _Fields(item, where)
+    key = f.get("key", str)
+    where = f"{where} ({key!r})"
+    f.where = where
+    dtype = dtype_from_name(f.get("dtype", str), where)
+    shape = f.get("shape", list)
+    if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= MAX_TENSOR_BYTES for d in shape):
+        raise CorruptCheckpointError(f"{where}: invalid shape {shape!r}")
+    raw_bytes = f.nonnegative("raw_bytes", MAX_TENSOR_BYTES)
+    expected = math.prod(shape) * dtype.itemsize
+    if raw_bytes != expected:
+        raise CorruptCheckpointError(f"{where}: raw_bytes {raw_bytes} does not match shape {shape} of {dtype}")
+    file_name = f.get("file", str)
+    if not _FILE_NAME.fullmatch(file_name) or file_name == MANIFEST_NAME:
+        raise CorruptCheckpointError(f"{where}: data file name {file_name!r} is not a plain file inside the checkpoint")
+    stored_bytes = f.nonnegative("stored_bytes", MAX_TENSOR_BYTES)
+    chunks = f.get("chunks", list)
+    if not all(isinstance(c, list) and len(c) == 2 and all(type(n) is int and n >= 0 for n in c) for c in chunks):
+        raise CorruptCheckpointError(f"{where}: chunks must be [stored_bytes, raw_bytes] pairs of non-negative ints")
+    if sum(c[0] for c in chunks) != stored_bytes or sum(c[1] for c in chunks) != raw_bytes:
+        raise CorruptCheckpointError(f"{where}: chunk sizes do not add up to stored_bytes/raw_bytes")
+    checksum = _Fields(f.get("checksum", dict), f"{where}: checksum")
+    return TensorRecord(
+        key=key,
+        dtype=f.get("dtype", str),
+        shape=shape,
+        device=f.get("device", str),
+        file=file_name,
+        offset=f.nonnegative("offset"),
+        stored_bytes=stored_bytes,
+        raw_bytes=raw_bytes,
+        codec=f.get("codec", str),
+        codec_params=f.get("codec_params", dict),
+        chunks=chunks,
+        checksum=Checksum(algorithm=checksum.get("algorithm", str), value=checksum.get("value", str)),
+    )

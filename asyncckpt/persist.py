@@ -1,0 +1,123 @@
+"""Persist one snapshot as a committed checkpoint: compress, write, fsync, manifest, commit.
+
+Runs on the checkpoint worker thread, one snapshot at a time, so checkpoints commit in the
+order they were saved. No collectives run here. Either the whole checkpoint becomes visible
+(one directory rename) or, on any error, its temporary directory is removed and the previous
+checkpoint stays the latest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import checksum
+from ._version import __version__
+from .codecs import EncodedBlob, Encoder, NoneCodec
+from .dtypes import dtype_name
+from .layout import apply_retention, checkpoint_name, commit, temporary_dir
+from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord
+from .result import SaveResult
+from .snapshot import Snapshot
+from .storage import Storage
+
+DATA_FILE = "data-0.bin"
+
+
+@dataclass
+class SaveJob:
+    """Everything the worker needs to persist one save; built on the training thread."""
+
+    step: int
+    structure: dict[str, Any]
+    snapshot: Snapshot
+    metadata: dict[str, Any]
+    created_unix: float
+    started: float
+    """``time.perf_counter()`` at save() entry."""
+    stall_seconds: float
+    snapshot_seconds: float
+    snapshot_mode: str
+
+
+_identity = NoneCodec()
+
+
+def blob_checksum(blob: EncodedBlob) -> Checksum:
+    """Checksum of the stored bytes, computed where they are (host: crc32; device: mix64 on the GPU)."""
+    if blob.data.is_cuda:
+        from .gpu.checksum import mix64_device  # only reachable when the GPU path produced the blob
+
+        return Checksum("mix64", mix64_device(blob.data))
+    return Checksum("crc32", checksum.compute("crc32", blob.data))
+
+
+def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
+    """Write ``job`` under ``root`` and commit it. Worker thread."""
+    stages = {"snapshot": job.snapshot_seconds, "compress": 0.0, "write": 0.0, "fsync": 0.0, "commit": 0.0}
+    tmp = temporary_dir(root, job.step)
+    os.mkdir(tmp)
+    writer = None
+    try:
+        job.snapshot.wait_ready()
+        writer = storage.open_writer(tmp / DATA_FILE)
+        records, codecs, keep_alive = [], Counter[str](), []
+        for staged in job.snapshot.tensors:
+            began = time.perf_counter()
+            blob = encoder.encode(staged.data, staged.dtype, staged.key)
+            if blob.codec != "none" and blob.stored_bytes >= staged.data.numel():
+                blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
+            digest = blob_checksum(blob)
+            written = time.perf_counter()
+            offset = writer.append(blob.data)
+            stages["compress"] += written - began
+            stages["write"] += time.perf_counter() - written
+            keep_alive.append(blob.data)  # writes may be queued until sync()
+            codecs[blob.codec] += 1
+            records.append(TensorRecord(
+                key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
+                device=str(staged.device), file=DATA_FILE, offset=offset, stored_bytes=blob.stored_bytes,
+                raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
+                chunks=[[s, r] for s, r in blob.chunks], checksum=digest,
+            ))  # fmt: skip
+        began = time.perf_counter()
+        writer.sync()
+        writer.close()
+        stages["fsync"] = time.perf_counter() - began
+        job.snapshot.release()
+        keep_alive.clear()
+
+        began = time.perf_counter()
+        manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
+                            tensors=records, structure=job.structure, metadata=job.metadata,
+                            io_mode=getattr(storage, "io_mode", "posix"))  # fmt: skip
+        _write_durably(tmp / MANIFEST_NAME, manifest.to_json())
+        final = root / checkpoint_name(job.step)
+        commit(tmp, final)
+        stages["commit"] = time.perf_counter() - began
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                writer.close()
+        job.snapshot.release()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    apply_retention(root, keep_last, protect=final)
+    return SaveResult(
+        step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
+        stall_seconds=job.stall_seconds, stage_seconds=stages, io_mode=manifest.io_mode,
+        snapshot_mode=job.snapshot_mode, codecs=dict(codecs), durable_seconds=time.perf_counter() - job.started,
+    )  # fmt: skip
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,36 @@
+"""What a finished save reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("snapshot", "compress", "write", "fsync", "commit")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """The outcome of one ``save()``; all times in seconds, sizes in bytes."""
+
+    step: int
+    path: Path | None
+    """The committed checkpoint directory; None if the save was skipped."""
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    stall_seconds: float = 0.0
+    """Host time the training thread spent inside ``save()`` (slot wait + snapshot)."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds per stage: snapshot (training thread), compress, write, fsync, commit (worker thread)."""
+    io_mode: str = "posix"
+    """How bytes reached the file: ``posix``, ``gds`` (GPUDirect Storage) or ``compat`` (KvikIO bounce buffers)."""
+    snapshot_mode: str = "host"
+    codecs: dict[str, int] = field(default_factory=dict)
+    """Tensors stored per codec name."""
+    durable_seconds: float = 0.0
+    """Wall time from save() entry until the commit was durable (includes queueing behind earlier saves)."""
+    skipped: bool = False
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio raw/stored (1.0 for an empty state)."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0

@@ -1,0 +1,63 @@
+"""The snapshot plug-in interface.
+
+A stager runs on the training thread inside ``save()``: it makes the state's bytes safe from
+later mutation (a copy, or a CUDA event that later mutations wait on) and returns at once. The
+worker thread then waits until the snapshot is *ready* (the copy has landed) and reads it.
+
+Two moments matter and have different owners:
+
+* **staged** — the caller may mutate its tensors. For host copies this is when ``stage()``
+  returns; for GPU copies it is when ``stage()`` returns too, because every later kernel on
+  the caller's stream is ordered after the copy.
+* **ready** — the snapshot bytes may be read by another thread/stream. The worker calls
+  :meth:`Snapshot.wait_ready` before it reads anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..tree import TensorLeaf
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """The snapshot of one tensor."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: torch.device
+    """Where the tensor lived when saved (restored there unless ``map_location`` says otherwise)."""
+    data: torch.Tensor
+    """1-D uint8: the tensor's bytes in C order, host or device memory, owned by the stager."""
+
+
+class Snapshot(Protocol):
+    @property
+    def tensors(self) -> Sequence[StagedTensor]: ...
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging memory this snapshot holds until :meth:`release`, in bytes."""
+        ...
+
+    def wait_ready(self) -> None:
+        """Block the calling (worker) thread until every tensor's bytes may be read."""
+        ...
+
+    def release(self) -> None:
+        """Give the staging memory back; called by the worker once the bytes are written."""
+        ...
+
+
+class Stager(Protocol):
+    def stage(self, leaves: Sequence[TensorLeaf]) -> Snapshot:
+        """Snapshot ``leaves``. Runs on the training thread; must not wait for I/O."""
+        ...
+
+    def close(self) -> None: ...
