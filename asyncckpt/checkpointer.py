@@ -118,9 +118,9 @@ class AsyncCheckpointer:
         except BaseException:
             self._slots.release()
             raise
-        handle = SaveHandle(step)
-        handle._set_staged()
         stall = staged_at - started
+        handle = SaveHandle(step)
+        handle._set_staged(stall)
         job = SaveJob(step=step, structure=flat.skeleton, snapshot=snapshot, metadata=metadata,
                       created_unix=time.time(), started=started, stall_seconds=stall,
                       snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode)  # fmt: skip

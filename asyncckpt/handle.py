@@ -20,6 +20,8 @@ class SaveHandle:
 
     def __init__(self, step: int) -> None:
         self.step = step
+        self.stall_seconds = 0.0
+        """Host seconds the training thread spent in save() (slot wait + snapshot)."""
         self._staged = threading.Event()
         self._future: Future[SaveResult] = Future()
 
@@ -55,7 +57,8 @@ class SaveHandle:
         return f"<SaveHandle step={self.step} {state}>"
 
     # Called by the checkpointer only.
-    def _set_staged(self) -> None:
+    def _set_staged(self, stall_seconds: float) -> None:
+        self.stall_seconds = stall_seconds
         self._staged.set()
 
     def _finish(self, result: SaveResult) -> None:
