@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ class VerifyReport:
 
 
 def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "latest",
-         map_location: MapLocation = None, *, load_seconds: list[float] | None = None) -> Any:  # fmt: skip
+         map_location: MapLocation = None) -> Any:  # fmt: skip
     """Load a checkpoint and return the state with its original structure.
 
     Args:
@@ -58,7 +57,6 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
         CorruptCheckpointError: a checksum, size or manifest check failed (names tensor and file).
         CheckpointError: no such checkpoint; a device or codec this machine lacks.
     """
-    began = time.perf_counter()
     path = resolve_checkpoint(directory_or_checkpoint, step)
     manifest = read_manifest(path)
     target = None if map_location is None else torch.device(map_location)
@@ -71,10 +69,7 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
             raise CorruptCheckpointError(f"{path}: structure refers to tensor {index}, table has {len(tensors)}")
         return tensors[index]
 
-    state = unflatten(manifest.structure, tensor_at, str(path))
-    if load_seconds is not None:
-        load_seconds.append(time.perf_counter() - began)
-    return state
+    return unflatten(manifest.structure, tensor_at, str(path))
 
 
 def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyReport:

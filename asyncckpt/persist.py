@@ -8,7 +8,6 @@ checkpoint stays the latest.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -58,17 +57,28 @@ def blob_checksum(blob: EncodedBlob) -> Checksum:
     return Checksum("crc32", checksum.compute("crc32", blob.data))
 
 
-def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
-    """Write ``job`` under ``root`` and commit it. Worker thread."""
-    stages = {"snapshot": job.snapshot_seconds, "compress": 0.0, "write": 0.0, "fsync": 0.0, "commit": 0.0}
-    tmp = temporary_dir(root, job.step)
-    os.mkdir(tmp)
-    writer = None
+@dataclass
+class WrittenPart:
+    """The tensors of one snapshot, durable in one data file (not yet committed)."""
+
+    records: list[TensorRecord]
+    codecs: Counter[str]
+    stage_seconds: dict[str, float]
+    """compress, write and fsync seconds."""
+
+
+def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Path) -> WrittenPart:
+    """Encode every staged tensor into the new data file ``path``, fsync it, release the snapshot.
+
+    Worker thread. The snapshot is released (its staging memory reusable) only once every byte
+    is durable, because a ``none``-coded blob aliases the staging memory.
+    """
+    stages = {"compress": 0.0, "write": 0.0, "fsync": 0.0}
+    snapshot.wait_ready()
+    writer = storage.open_writer(path)
     try:
-        job.snapshot.wait_ready()
-        writer = storage.open_writer(tmp / DATA_FILE)
         records, codecs, keep_alive = [], Counter[str](), []
-        for staged in job.snapshot.tensors:
+        for staged in snapshot.tensors:
             began = time.perf_counter()
             blob = encoder.encode(staged.data, staged.dtype, staged.key)
             if blob.codec != "none" and blob.stored_bytes >= staged.data.numel():
@@ -82,41 +92,48 @@ def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_l
             codecs[blob.codec] += 1
             records.append(TensorRecord(
                 key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
-                device=str(staged.device), file=DATA_FILE, offset=offset, stored_bytes=blob.stored_bytes,
+                device=str(staged.device), file=path.name, offset=offset, stored_bytes=blob.stored_bytes,
                 raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
                 chunks=[[s, r] for s, r in blob.chunks], checksum=digest,
             ))  # fmt: skip
         began = time.perf_counter()
         writer.sync()
-        writer.close()
         stages["fsync"] = time.perf_counter() - began
-        job.snapshot.release()
-        keep_alive.clear()
+    finally:
+        writer.close()
+    snapshot.release()
+    return WrittenPart(records=records, codecs=codecs, stage_seconds=stages)
 
+
+def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
+    """Write ``job`` under ``root`` and commit it. Worker thread."""
+    tmp = temporary_dir(root, job.step)
+    os.mkdir(tmp)
+    try:
+        part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE)
         began = time.perf_counter()
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
-                            tensors=records, structure=job.structure, metadata=job.metadata,
-                            io_mode=getattr(storage, "io_mode", "posix"))  # fmt: skip
-        _write_durably(tmp / MANIFEST_NAME, manifest.to_json())
+                            tensors=part.records, structure=job.structure, metadata=job.metadata,
+                            io_mode=storage.io_mode)  # fmt: skip
+        write_durably(tmp / MANIFEST_NAME, manifest.to_json())
         final = root / checkpoint_name(job.step)
         commit(tmp, final)
-        stages["commit"] = time.perf_counter() - began
+        commit_seconds = time.perf_counter() - began
     except BaseException:
-        if writer is not None:
-            with contextlib.suppress(OSError):
-                writer.close()
         job.snapshot.release()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     apply_retention(root, keep_last, protect=final)
+    stages = {"snapshot": job.snapshot_seconds, **part.stage_seconds, "commit": commit_seconds}
     return SaveResult(
         step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
         stall_seconds=job.stall_seconds, stage_seconds=stages, io_mode=manifest.io_mode,
-        snapshot_mode=job.snapshot_mode, codecs=dict(codecs), durable_seconds=time.perf_counter() - job.started,
+        snapshot_mode=job.snapshot_mode, codecs=dict(part.codecs), durable_seconds=time.perf_counter() - job.started,
+        gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes) -> None:
     with open(path, "xb") as f:
         f.write(data)
         f.flush()

@@ -28,6 +28,9 @@ class SaveResult:
     """Tensors stored per codec name."""
     durable_seconds: float = 0.0
     """Wall time from save() entry until the commit was durable (includes queueing behind earlier saves)."""
+    gpu_idle_seconds: float = 0.0
+    """Seconds this save kept the GPU from training: ``stall_seconds`` plus GPU time measured on the
+    snapshot copy and on fence waits (0 extra on the CPU path). Defined in docs/metrics.md."""
     skipped: bool = False
 
     @property

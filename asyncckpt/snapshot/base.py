@@ -51,7 +51,12 @@ class Snapshot(Protocol):
         ...
 
     def release(self) -> None:
-        """Give the staging memory back; called by the worker once the bytes are written."""
+        """Give the staging memory back; called by the worker once the bytes are written. Idempotent."""
+        ...
+
+    def gpu_busy_seconds(self) -> float:
+        """GPU time the snapshot took from training (copy kernels, fence waits), measured with CUDA
+        events; 0.0 for CPU tensors. Called by the worker after ``wait_ready``."""
         ...
 
 
