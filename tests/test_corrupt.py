@@ -1,0 +1,144 @@
+"""Corrupt files and hostile manifests: a clear error naming what and where, never a crash or a read outside."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.manifest import MANIFEST_NAME
+
+
+@pytest.fixture
+def checkpoint(run_dir: Path) -> Path:
+    state = {"model": {"weight": torch.linspace(-1, 1, 4096), "bias": torch.arange(16)}, "step": 1}
+    with asyncckpt.AsyncCheckpointer(run_dir) as ckpt:
+        return ckpt.save(1, state).result().path  # type: ignore[return-value]
+
+
+def _edit_manifest(checkpoint: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = checkpoint / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_flipped_byte_names_tensor_and_file(checkpoint: Path) -> None:
+    doc = json.loads((checkpoint / MANIFEST_NAME).read_text())
+    record = next(t for t in doc["tensors"] if t["key"] == "model/bias")
+    with open(checkpoint / record["file"], "r+b") as f:
+        f.seek(record["offset"] + record["stored_bytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for check in (lambda: asyncckpt.load(checkpoint), lambda: asyncckpt.verify(checkpoint)):
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"'model/bias' in data-0\.bin: checksum mismatch"):
+            check()
+
+
+def test_truncated_data_file(checkpoint: Path) -> None:
+    data = checkpoint / "data-0.bin"
+    os.truncate(data, data.stat().st_size - 10)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="truncated"):
+        asyncckpt.load(checkpoint)
+
+
+def _tensor0(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"][0][field] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_tensor0("file", "../../etc/passwd"), "not a plain file inside the checkpoint"),
+        (_tensor0("file", "/etc/passwd"), "not a plain file inside the checkpoint"),
+        (_tensor0("file", "manifest.json"), "not a plain file inside the checkpoint"),
+        (_tensor0("offset", -4096), "'offset' = -4096 is out of range"),
+        (_tensor0("stored_bytes", 1 << 60), "out of range"),
+        (_tensor0("offset", True), "'offset' has type bool"),
+        (_tensor0("shape", [1 << 40, 1 << 40]), "invalid shape|does not match shape"),
+        (_tensor0("raw_bytes", 12), "does not match shape"),
+        (_tensor0("dtype", "float128"), "unknown dtype 'float128'"),
+        (_tensor0("codec", "lzma-extreme"), "unknown codec 'lzma-extreme'"),
+        (_tensor0("codec", "ans"), "needs a CUDA GPU with the GPU extra"),
+        (_tensor0("chunks", [[1, 2]]), "chunk sizes do not add up"),
+        (_tensor0("checksum", {"algorithm": "md5", "value": "0"}), "unknown checksum algorithm 'md5'"),
+        (lambda d: d.update(format_version=2), "format version 2 is not supported"),
+        (lambda d: d.update(format="safetensors"), "not an asyncckpt manifest"),
+        (lambda d: d.pop("tensors"), "missing field 'tensors'"),
+        (lambda d: d.update(structure={"t": "tensor", "id": 99}), "structure refers to tensor 99"),
+        (lambda d: d.update(structure={"t": "eval", "v": "__import__('os')"}), "unknown node type 'eval'"),
+        (lambda d: d.update(structure={"t": "float", "v": 1.5}), "float node holds a float"),
+    ],
+)
+def test_hostile_manifest_fields(checkpoint: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    _edit_manifest(checkpoint, edit)
+    with pytest.raises(asyncckpt.CheckpointError, match=message):
+        asyncckpt.load(checkpoint)
+
+
+def test_zstd_bomb_is_bounded_by_the_recorded_size(checkpoint: Path) -> None:
+    # A blob that decompresses to far more than its chunk claims: decoding stops at the recorded size.
+    import zlib
+
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    data = checkpoint / "data-0.bin"
+    offset = data.stat().st_size + 4096
+    with open(data, "r+b") as f:
+        f.seek(offset)
+        f.write(bomb)
+
+    def point_at_bomb(doc: dict[str, Any]) -> None:
+        record = next(t for t in doc["tensors"] if t["key"] == "model/bias")
+        record.update(offset=offset, stored_bytes=len(bomb), chunks=[[len(bomb), 128]], codec="zstd",
+                      codec_params={"planes": 1}, checksum={"algorithm": "crc32", "value": f"{zlib.crc32(bomb):08x}"})
+
+    _edit_manifest(checkpoint, point_at_bomb)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="'model/bias'.*zstd"):
+        asyncckpt.load(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{", b"[]", b"\xff\xfe", b"{" * 100_000, b'{"format": NaN}', b"1" * 5000],
+)
+def test_garbage_manifest(checkpoint: Path, content: bytes) -> None:
+    (checkpoint / MANIFEST_NAME).write_bytes(content)
+    with pytest.raises(asyncckpt.CorruptCheckpointError):
+        asyncckpt.load(checkpoint)
+
+
+@pytest.mark.parametrize("depth", [100, 50_000])
+def test_deeply_nested_structure(checkpoint: Path, depth: int) -> None:
+    path = checkpoint / MANIFEST_NAME
+    nested = '{"t": "list", "items": [' * depth + '{"t": "none"}' + "]}" * depth
+    doc = json.loads(path.read_text())
+    doc.pop("structure")
+    path.write_text(json.dumps(doc)[:-1] + ', "structure": ' + nested + "}")
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="nested deeper|nesting too deep|not valid JSON"):
+        asyncckpt.load(checkpoint)
+
+
+def test_symlinked_data_file_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    (checkpoint / "data-0.bin").rename(outside)
+    (checkpoint / "data-0.bin").symlink_to(outside)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="not a regular file"):
+        asyncckpt.load(checkpoint)
+
+
+def test_missing_data_file(checkpoint: Path) -> None:
+    (checkpoint / "data-0.bin").unlink()
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="'data-0.bin' named in the manifest is missing"):
+        asyncckpt.verify(checkpoint)
