@@ -127,8 +127,9 @@ class AsyncCheckpointer:
         with self._lock:
             self._inflight[step] = handle
             inflight = len(self._inflight)
-        self._jobs.put((job, handle))
+        # Report before queueing, so this save's staged event always precedes its finished/failed one.
         self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
+        self._jobs.put((job, handle))
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
@@ -192,6 +193,11 @@ class AsyncCheckpointer:
             raise error
 
     # ------------------------------------------------------------------ worker thread
+    def _persist(self, job: SaveJob) -> SaveResult:
+        """Write and commit one save. Worker thread; subclasses (distributed, integrations) override
+        this to commit elsewhere or with other ranks; they must not issue collectives here."""
+        return persist(job, self.directory, self._backend.encoder, self._backend.storage, self.options.keep_last)
+
     def _run(self) -> None:
         while True:
             item = self._jobs.get()
@@ -199,8 +205,7 @@ class AsyncCheckpointer:
                 return
             job, handle = item
             try:
-                result = persist(job, self.directory, self._backend.encoder, self._backend.storage,
-                                 self.options.keep_last)  # fmt: skip
+                result = self._persist(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, never swallowed
                 error = SaveFailedError(
                     f"saving step {job.step} to {self.directory} failed: {type(exc).__name__}: {exc}. "

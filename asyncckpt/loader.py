@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .dtypes import dtype_from_name
 from .errors import CheckpointError, CorruptCheckpointError
 from .layout import resolve_checkpoint
 from .manifest import Manifest, TensorRecord, read_manifest
+from .observer import notify_load_finished
 from .storage import BlobReader, PosixStorage, Storage
 from .tree import unflatten
 
@@ -57,6 +59,7 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
         CorruptCheckpointError: a checksum, size or manifest check failed (names tensor and file).
         CheckpointError: no such checkpoint; a device or codec this machine lacks.
     """
+    began = time.perf_counter()
     path = resolve_checkpoint(directory_or_checkpoint, step)
     manifest = read_manifest(path)
     target = None if map_location is None else torch.device(map_location)
@@ -69,7 +72,23 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
             raise CorruptCheckpointError(f"{path}: structure refers to tensor {index}, table has {len(tensors)}")
         return tensors[index]
 
-    return unflatten(manifest.structure, tensor_at, str(path))
+    state = unflatten(manifest.structure, tensor_at, str(path))
+    notify_load_finished(time.perf_counter() - began)  # for the asyncckpt_load_seconds metric
+    return state
+
+
+def load_tensors(checkpoint: Path, manifest: Manifest, map_location: MapLocation = None) -> list[torch.Tensor]:
+    """Read, verify, decode and place every tensor of ``manifest.tensors``, in table order.
+
+    ``manifest`` may list only part of a checkpoint's table (one rank's part of a distributed
+    checkpoint, see :mod:`asyncckpt.distributed`); each record is verified as in :func:`load`.
+    Runs on the calling thread.
+    """
+    target = None if map_location is None else torch.device(map_location)
+    return [
+        _place(t, rec, target, checkpoint)
+        for t, rec in zip(_decoded_tensors(checkpoint, manifest), manifest.tensors, strict=False)
+    ]
 
 
 def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyReport:

@@ -1,12 +1,16 @@
 """What the checkpointer reports as it works, for metrics and logs.
 
 The checkpointer calls these hooks; :mod:`asyncckpt.metrics` implements them for Prometheus.
-``save_started``/``save_skipped`` run on the training thread; the others on the worker thread
-(except ``load_finished``, on the loading thread). Hooks must be cheap and must not raise.
+``save_staged``/``save_skipped`` run on the training thread; the others on the worker thread.
+``save_staged`` is called before the save is queued, so it always precedes that save's
+``save_finished``/``save_failed``. :func:`asyncckpt.load` is not tied to a checkpointer: it
+reports to the process-wide load listeners (:func:`add_load_listener`), on the loading thread.
+Hooks and listeners must be cheap and must not raise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from .result import SaveResult
@@ -36,3 +40,26 @@ class NullObserver:
 
     def save_failed(self, error: BaseException, inflight: int) -> None:
         pass
+
+
+LoadListener = Callable[[float], None]
+"""Called with the seconds one successful :func:`asyncckpt.load` took."""
+
+_load_listeners: list[LoadListener] = []
+
+
+def add_load_listener(listener: LoadListener) -> None:
+    """Call ``listener(seconds)`` after every successful load in this process (any thread)."""
+    if listener not in _load_listeners:
+        _load_listeners.append(listener)
+
+
+def remove_load_listener(listener: LoadListener) -> None:
+    if listener in _load_listeners:
+        _load_listeners.remove(listener)
+
+
+def notify_load_finished(seconds: float) -> None:
+    """Report a finished load; called by the loader on the loading thread."""
+    for listener in tuple(_load_listeners):
+        listener(seconds)

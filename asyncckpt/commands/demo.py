@@ -102,7 +102,9 @@ def _timed_torch_save(state: dict[str, Any], path: Path, device: torch.device) -
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    return time.perf_counter() - began
+    seconds = time.perf_counter() - began
+    path.unlink()  # only its time matters; kept, a long demo (deploy/'s trainer) would fill the disk
+    return seconds
 
 
 def _print_table(rows: list[tuple[int, float, Any, float]], train_seconds: float) -> None:
