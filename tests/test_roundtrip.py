@@ -77,7 +77,7 @@ def test_structure_and_plain_values(run_dir: Path) -> None:
 
 
 def test_model_and_optimizer_load_back_into_fresh_objects(run_dir: Path) -> None:
-    model, optimizer, state = small_training_state()
+    _model, optimizer, state = small_training_state()
     state = {**state, "step": 3}
     restored = _roundtrip(run_dir, state)
     assert first_difference(state, restored) is None
