@@ -113,12 +113,8 @@ def resolve_checkpoint(directory_or_checkpoint: str | os.PathLike[str], step: in
 
 def commit(tmp_dir: Path, final_dir: Path) -> None:
     """Make a fully written, fsynced ``tmp_dir`` visible as ``final_dir`` and point ``latest`` at it."""
-    fsync_dir(tmp_dir)
-    if final_dir.exists():
-        raise CheckpointError(f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it")
-    os.rename(tmp_dir, final_dir)
+    publish(tmp_dir, final_dir)
     root = final_dir.parent
-    fsync_dir(root)
     pointer_tmp = root / f".{LATEST_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     with open(pointer_tmp, "w", encoding="utf-8") as f:
         f.write(final_dir.name + "\n")
@@ -126,6 +122,26 @@ def commit(tmp_dir: Path, final_dir: Path) -> None:
         os.fsync(f.fileno())
     os.replace(pointer_tmp, root / LATEST_NAME)
     fsync_dir(root)
+
+
+def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
+    """Rename a fully written ``tmp_dir`` to ``final_dir`` durably (no ``latest`` pointer).
+
+    With ``replace``, an existing ``final_dir`` is first renamed aside and deleted after the new
+    one is in place: a reader sees the old checkpoint, briefly none, or the new one, never a mix
+    (POSIX cannot rename a directory over a non-empty one atomically).
+    """
+    fsync_dir(tmp_dir)
+    old = None
+    if final_dir.exists():
+        if not replace:
+            raise CheckpointError(f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it")
+        old = final_dir.with_name(f".deleting-{final_dir.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> list[Path]:

@@ -9,10 +9,11 @@ checkpoint stays the latest.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,14 @@ from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
 from .dtypes import dtype_name
-from .layout import apply_retention, checkpoint_name, commit, temporary_dir
+from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
 from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord
 from .result import SaveResult
 from .snapshot import Snapshot
 from .storage import Storage
 
 DATA_FILE = "data-0.bin"
+_EXTRA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
@@ -43,6 +45,9 @@ class SaveJob:
     stall_seconds: float
     snapshot_seconds: float
     snapshot_mode: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Small extra files (name -> bytes) written into the checkpoint directory before its manifest,
+    e.g. a framework's own JSON state; names are plain file names (checked by :func:`check_extra_files`)."""
 
 
 _identity = NoneCodec()
@@ -106,24 +111,42 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
 
 
 def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
-    """Write ``job`` under ``root`` and commit it. Worker thread."""
-    tmp = temporary_dir(root, job.step)
+    """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread."""
+    final = root / checkpoint_name(job.step)
+    result = persist_to(job, final, encoder, storage)
+    apply_retention(root, keep_last, protect=final)
+    return result
+
+
+def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *, point_latest: bool = True,
+               replace: bool = False) -> SaveResult:  # fmt: skip
+    """Write ``job`` into a temporary directory beside ``final`` and rename it to ``final``. Worker thread.
+
+    ``point_latest`` also points ``final.parent/latest`` at it (the run-directory layout);
+    integrations that choose their own paths (Lightning, Hugging Face) turn it off. ``replace``
+    lets the new checkpoint take the place of an existing one at ``final`` (never half-written:
+    see :func:`asyncckpt.layout.publish`).
+    """
+    tmp = temporary_dir(final.parent, job.step)
     os.mkdir(tmp)
     try:
         part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE)
         began = time.perf_counter()
+        for name, data in job.files.items():
+            write_durably(tmp / name, data)
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
                             tensors=part.records, structure=job.structure, metadata=job.metadata,
                             io_mode=storage.io_mode)  # fmt: skip
         write_durably(tmp / MANIFEST_NAME, manifest.to_json())
-        final = root / checkpoint_name(job.step)
-        commit(tmp, final)
+        if point_latest:
+            commit(tmp, final)
+        else:
+            publish(tmp, final, replace=replace)
         commit_seconds = time.perf_counter() - began
     except BaseException:
         job.snapshot.release()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    apply_retention(root, keep_last, protect=final)
     stages = {"snapshot": job.snapshot_seconds, **part.stage_seconds, "commit": commit_seconds}
     return SaveResult(
         step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
@@ -138,3 +161,17 @@ def write_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def check_extra_files(files: dict[str, bytes] | None) -> dict[str, bytes]:
+    """Validate extra file names for :attr:`SaveJob.files` on the training thread; returns a copy."""
+    if not files:
+        return {}
+    out = {}
+    for name, data in files.items():
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name) or name == MANIFEST_NAME or \
+                name.startswith("data-"):  # fmt: skip
+            raise ValueError(f"extra checkpoint file name {name!r} must be a plain file name, not {MANIFEST_NAME} "
+                             "or data-*")  # fmt: skip
+        out[name] = bytes(data)
+    return out
