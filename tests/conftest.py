@@ -40,3 +40,51 @@ def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] 
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def _debian_tool(name: str) -> str:
+    """Path of ``name`` from Debian's prometheus package; fails in CI (CI=true), skips elsewhere, when absent."""
+    import shutil
+
+    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").is_file() else None)
+    if path is None:
+        message = f"{name} not found: install Debian's prometheus package (apt-get install prometheus)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message}; .ci/run should have", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    return _debian_tool("prometheus")
+
+
+@pytest.fixture
+def promtool_binary() -> str:
+    return _debian_tool("promtool")
+
+
+def free_ports(count: int = 1) -> int:
+    """A port P such that P .. P+count-1 are free now on every interface (rank-offset exporters need a run)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65536:
+            continue
+        held = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError(f"no run of {count} free ports found")
