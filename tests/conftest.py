@@ -42,7 +42,7 @@ def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] 
     return proc
 
 
-def _debian_tool(name: str) -> str:
+def debian_tool(name: str) -> str:
     """Path of ``name`` from Debian's prometheus package; fails in CI (CI=true), skips elsewhere, when absent."""
     import shutil
 
@@ -57,12 +57,12 @@ def _debian_tool(name: str) -> str:
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    return _debian_tool("prometheus")
+    return debian_tool("prometheus")
 
 
 @pytest.fixture
 def promtool_binary() -> str:
-    return _debian_tool("promtool")
+    return debian_tool("promtool")
 
 
 def free_ports(count: int = 1) -> int:
