@@ -1,0 +1,451 @@
+"""What every benchmark shares: the training workload, the machine description, memory sampling, statistics.
+
+The workload is real training state, not random tensors: :class:`~asyncckpt.demo_model.TinyGPT`
+trained on the Python standard library's source, in BF16 autocast on a GPU (so the FP32
+gradients look like those of mixed-precision training), in FP32 on the CPU. Random tensors
+compress nothing like trained weights and Adam moments do.
+
+Everything here runs on the benchmark's main (training) thread, except :class:`MemorySampler`,
+which polls memory from its own thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+# ---------------------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """The model and training loop; ``heads=0`` means one head per 128 channels."""
+
+    width: int
+    layers: int
+    heads: int = 0
+    context: int = 128
+    batch: int = 8
+    device: str = "auto"
+    seed: int = 0
+    lr: float = 3e-4
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_heads(self) -> int:
+        return self.heads or max(1, self.width // 128)
+
+
+class Workload:
+    """A TinyGPT, its AdamW optimizer and a text stream; one :meth:`step` is one training step.
+
+    On CUDA the forward pass runs under BF16 autocast and AdamW is the fused kernel. Gradients
+    are set to None before each backward (the PyTorch default), so a checkpoint that holds last
+    step's gradient tensors is never overwritten in place by the next backward.
+    """
+
+    def __init__(self, config: WorkloadConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):  # build on the device: a 1B model initialised on the CPU takes minutes
+            self.model = TinyGPT(width=config.width, layers=config.layers, heads=config.resolved_heads(),
+                                 context=config.context)  # fmt: skip
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, fused=fused)
+        self.batches = TextBatches(stdlib_text(), config.context, config.batch, self.device, seed=config.seed)
+        self.autocast = self.device.type == "cuda"
+        self.steps_done = 0
+        self.last_loss = float("nan")
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def step(self) -> float:
+        """Run one training step; return its wall seconds (ends with a host sync: the loss is read)."""
+        began = time.perf_counter()
+        inputs, targets = self.batches.next()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).float(), targets.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.last_loss = float(loss.detach())
+        self.steps_done += 1
+        return time.perf_counter() - began
+
+    def train(self, steps: int, progress: Progress | None = None, what: str = "training") -> float:
+        """Train ``steps`` steps; return the wall seconds."""
+        began = time.perf_counter()
+        report_every = max(1, steps // 5)
+        for i in range(1, steps + 1):
+            self.step()
+            if progress is not None and (i % report_every == 0 or i == steps):
+                progress.say(f"{what}: step {i}/{steps}, loss {self.last_loss:.3f}")
+        return time.perf_counter() - began
+
+    def state(self) -> dict[str, Any]:
+        """The state a training job checkpoints: weights, optimizer (Adam moments, step) and gradients."""
+        grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "grads": grads,
+                "step": self.steps_done}  # fmt: skip
+
+    def tensor_classes(self) -> dict[str, list[torch.Tensor]]:
+        """The state's tensors by kind: FP32 weights, Adam's two moments, gradients (the tied head counts once)."""
+        weights = list({id(p): p.detach() for p in self.model.parameters()}.values())
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        exp_avg, exp_avg_sq = [], []
+        for state in self.optimizer.state.values():
+            exp_avg.append(state["exp_avg"])
+            exp_avg_sq.append(state["exp_avg_sq"])
+        return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grads": grads}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tensor_bytes(state: object) -> int:
+    """Bytes of every distinct tensor in a nested state (aliases counted once)."""
+    seen: dict[tuple[int, int], int] = {}  # (storage address, offset) -> bytes
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            seen[(obj.untyped_storage().data_ptr(), int(obj.storage_offset()))] = obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, list | tuple):
+            for value in obj:
+                visit(value)
+
+    visit(state)
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def gpu_used_bytes(device: torch.device) -> int:
+    """Device memory in use by every process (free/total from the driver): sees nvCOMP's allocations too."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
+
+
+def host_rss_bytes() -> int:
+    """Resident memory of this process (pinned staging memory included); 0 where /proc is missing."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_memory(device: torch.device) -> None:
+    """Give cached memory back (PyTorch's device and pinned-host caches, glibc's heap) so the next
+    measurement starts from what is really held."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class MemorySampler:
+    """Polls GPU memory in use and host RSS from a daemon thread; :meth:`window` reports the peaks.
+
+    Peaks are sampled (every ``interval_seconds``), so a spike shorter than that can be missed;
+    staging buffers live for a whole save and are not.
+    """
+
+    def __init__(self, device: torch.device, interval_seconds: float = 0.02) -> None:
+        self.device = device
+        self.interval_seconds = interval_seconds
+        self._lock = threading.Lock()
+        self._peak_gpu = 0
+        self._peak_host = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-memory-sampler", daemon=True)
+        self._thread.start()
+
+    def current(self) -> tuple[int, int]:
+        gpu = gpu_used_bytes(self.device) if self.device.type == "cuda" else 0
+        return gpu, host_rss_bytes()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while not self._stop.wait(self.interval_seconds):
+            gpu, host = self.current()
+            with self._lock:
+                self._peak_gpu = max(self._peak_gpu, gpu)
+                self._peak_host = max(self._peak_host, host)
+
+    def reset(self) -> tuple[int, int]:
+        """Start a new window; return the memory in use now."""
+        gpu, host = self.current()
+        with self._lock:
+            self._peak_gpu, self._peak_host = gpu, host
+        return gpu, host
+
+    def peaks(self) -> tuple[int, int]:
+        gpu, host = self.current()
+        with self._lock:
+            return max(self._peak_gpu, gpu), max(self._peak_host, host)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def p95(values: Sequence[float]) -> float | None:
+    """95th percentile by nearest rank (with fewer than 20 samples: the largest)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = -(-95 * len(ordered) // 100)  # ceil(0.95 n)
+    return ordered[max(0, rank - 1)]
+
+
+# ---------------------------------------------------------------------------------------------- files
+def path_bytes(path: Path) -> int:
+    """Size of a file, or of every file under a directory."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` in one rename, so a run killed mid-write leaves the previous version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(obj: object) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)  # type: ignore[call-overload]
+    raise TypeError(f"not JSON-serialisable: {type(obj).__name__}")
+
+
+def latest_result(prefix: str, prefer_gpu: bool = True, directory: Path = RESULTS_DIR) -> Path | None:
+    """The newest committed ``<prefix>-*.json`` (names start with the UTC date); GPU results first if asked."""
+    found = sorted(directory.glob(f"{prefix}-*.json"))
+    if prefer_gpu:
+        gpu = [p for p in found if "-cpu" not in p.stem]
+        found = gpu or found
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------- machine
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of everything that shapes the figures (None: not installed)."""
+    from asyncckpt import __version__
+
+    found: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "asyncckpt": __version__,
+        "git_commit": _git_commit(),
+    }
+    for name in ("numpy", "zstandard", "lz4", "matplotlib", "nvidia-nvcomp-cu12", "nvidia-nvcomp-cu13",
+                 "kvikio-cu12", "kvikio-cu13", "cupy-cuda12x", "cupy-cuda13x"):  # fmt: skip
+        version = _package_version(name)
+        if version is not None:
+            found[name] = version
+    with contextlib.suppress(ImportError, AttributeError):
+        from nvidia import nvcomp
+
+        found.setdefault("nvidia-nvcomp", getattr(nvcomp, "__version__", "importable"))
+    return found
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _mem_total_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def filesystem_of(path: Path) -> dict[str, str]:
+    """Mount point, device and type of the file system holding ``path`` (from /proc/mounts)."""
+    best = {"mount": "?", "device": "?", "type": "?"}
+    target = str(path.resolve())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1]
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best["mount"].replace("?", "")):
+                best = {"mount": mount, "device": parts[0], "type": parts[2]}
+    return best
+
+
+def describe_machine(scratch: Path | None = None) -> dict[str, Any]:
+    """What ran the benchmark: CPU, memory, GPU, the scratch file system."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: dict[str, Any] = {
+        "os": f"{platform.system()} {platform.release()}",
+        "cpu": _cpu_model(),
+        "cpu_cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": _mem_total_bytes(),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_bytes"] = int(props.total_memory)
+        info["gpu_count"] = torch.cuda.device_count()
+    if scratch is not None:
+        info["scratch_filesystem"] = filesystem_of(scratch)
+    return info
+
+
+def machine_label(machine: dict[str, Any]) -> str:
+    if machine.get("gpu"):
+        return f"{machine['gpu']} ({machine['cpu_cores']} CPU cores)"
+    return f"CPU only: {machine['cpu']}, {machine['cpu_cores']} cores"
+
+
+# ---------------------------------------------------------------------------------------------- output
+class Progress:
+    """Progress lines on stderr with the seconds since start, so stdout stays the Markdown result."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.began = time.perf_counter()
+        self.quiet = quiet
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def say(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{self.elapsed():7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(bytes_per_second: float | None) -> str:
+    if not bytes_per_second:
+        return "-"
+    return f"{fmt_bytes(bytes_per_second)}/s"
+
+
+def utc_stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def result_name(prefix: str, machine: dict[str, Any], tiny: bool = False) -> str:
+    """``<prefix>-<UTC date and time>-<gpu or cpu>``: sortable by date, GPU results told apart by name."""
+    kind = "cpu" if not machine.get("gpu") else machine["gpu"].lower().replace("nvidia", "").strip().replace(" ", "")
+    kind = "".join(c for c in kind if c.isalnum() or c == "-") or "gpu"
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{kind}{'-tiny' if tiny else ''}"
+
+
+@contextlib.contextmanager
+def timer() -> Iterator[list[float]]:
+    """``with timer() as t: ...`` then ``t[0]`` is the wall seconds."""
+    out: list[float] = []
+    began = time.perf_counter()
+    try:
+        yield out
+    finally:
+        out.append(time.perf_counter() - began)

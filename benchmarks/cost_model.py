@@ -1,0 +1,287 @@
+"""What checkpointing costs a large training job per month, by method: bytes written, idle GPU-hours, money.
+
+The scenario asyncckpt exists for: a 70B-parameter model whose checkpoint holds BF16 weights
+(2 bytes/parameter), FP32 Adam moments (8) and BF16 gradients (2) — 840 GB (782 GiB) — written
+every 30 minutes by 8 to 128 GPUs to shared storage of 5-10 GB/s, or 15 GB/s with GPUDirect
+Storage; and a 405B model on 128 GPUs. Per save and GPU:
+
+* **synchronous** (``torch.save``/``dcp.save``): every GPU waits for the whole write,
+  ``checkpoint bytes / storage bandwidth`` (the GPUs share the storage);
+* **DCP async** and **asyncckpt**: every GPU is blocked while its shard is staged, at the
+  throughput measured by the stall-time benchmark (raw bytes / (blocked seconds + the first
+  step's excess over the baseline step, where asyncckpt's fence wait lands)), and then trains
+  at the measured slowdown (``persist_step_ratio``, later steps) while the stored bytes drain to
+  storage.
+
+GPU-hours idle per month = GPUs * seconds lost per save * saves per month / 3600. The measured
+inputs (compression ratios per tensor class, staging throughputs, slowdowns) default to the
+latest committed results in ``benchmarks/results/`` (GPU results preferred); every one is a flag.
+Linear scaling of staging time with shard size assumes a bandwidth-bound copy, which is what
+the measured snapshots are (D2D, D2H, or a fence over compression reads).
+
+    python -m benchmarks.cost_model
+    python -m benchmarks.cost_model --gpu-hour-price 4 --storage-gbps 2,20 --gpus 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .common import RESULTS_DIR, latest_result, utc_stamp, write_atomically, write_json
+
+GB = 1e9
+SYNC, DCP_ASYNC, OURS = "synchronous", "DCP async", "asyncckpt"
+ASYNCCKPT_PREFERENCE = ("asyncckpt:fence:auto", "asyncckpt:device:auto", "asyncckpt:host:auto")
+"""Which measured asyncckpt mode stands for asyncckpt at scale: ``fence`` needs no shard-sized GPU buffer."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    weights_ratio: float
+    """Compression ratio of BF16 weights under asyncckpt's ``auto``."""
+    moments_ratio: float
+    """... of FP32 Adam moments (exp_avg and exp_avg_sq, averaged by bytes)."""
+    grads_ratio: float
+    """... of BF16 gradients."""
+    dcp_zstd_ratio: float
+    """DCP's zstd extension on the whole state (only its bytes; its stall is DCP async's)."""
+    dcp_stage_bytes_per_second: float
+    """Raw bytes per second of training lost to ``dcp.async_save``'s call (its staging copy) and the excess of
+    the first step after it, per GPU."""
+    ours_stage_bytes_per_second: float
+    """The same for asyncckpt (save call + the first step's excess, where a fence wait lands), per GPU."""
+    dcp_persist_step_ratio: float
+    ours_persist_step_ratio: float
+    sources: dict[str, str]
+    """Where each measured input came from."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    label: str
+    params: float
+    gpus: int
+    storage_bytes_per_second: float
+    gds: bool = False
+
+
+def checkpoint_parts(params: float) -> dict[str, float]:
+    """Bytes of each part of the checkpoint: BF16 weights, FP32 Adam moments (two), BF16 gradients."""
+    return {"weights": 2 * params, "moments": 8 * params, "grads": 2 * params}
+
+
+def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, float]]:
+    """Seconds lost per GPU and bytes written, for one save, per method."""
+    parts = checkpoint_parts(s.params)
+    raw = sum(parts.values())
+    shard = raw / s.gpus
+    ours_stored = (parts["weights"] / i.weights_ratio + parts["moments"] / i.moments_ratio
+                   + parts["grads"] / i.grads_ratio)  # fmt: skip
+    bw = s.storage_bytes_per_second
+    out = {SYNC: {"stored_bytes": raw, "blocked_seconds": raw / bw, "slowdown_seconds": 0.0, "persist_seconds": 0.0}}
+    for name, stored, rate, ratio in ((DCP_ASYNC, raw, i.dcp_stage_bytes_per_second, i.dcp_persist_step_ratio),
+                                      (OURS, ours_stored, i.ours_stage_bytes_per_second, i.ours_persist_step_ratio)):
+        persist = stored / bw
+        out[name] = {"stored_bytes": stored, "blocked_seconds": shard / rate, "persist_seconds": persist,
+                     "slowdown_seconds": max(0.0, ratio - 1.0) * persist}  # fmt: skip
+    for value in out.values():
+        value["lost_seconds"] = value["blocked_seconds"] + value["slowdown_seconds"]
+    return out
+
+
+def monthly(s: Scenario, i: Inputs, saves_per_month: float, price: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"scenario": asdict(s), "checkpoint_bytes": sum(checkpoint_parts(s.params).values())}
+    for name, v in per_save(s, i).items():
+        gpu_hours = s.gpus * v["lost_seconds"] * saves_per_month / 3600
+        row[name] = {**v, "bytes_per_month": v["stored_bytes"] * saves_per_month, "gpu_hours_per_month": gpu_hours,
+                     "cost_per_month": gpu_hours * price}  # fmt: skip
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def measured_defaults(stall_path: Path | None, compression_path: Path | None) -> dict[str, Any]:
+    """Inputs read from results files; missing ones are absent from the dict."""
+    found: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if compression_path is not None:
+        data = json.loads(compression_path.read_text())
+        classes = data.get("classes", {})
+
+        def auto_ratio(cls: str) -> float | None:
+            entry = classes.get(cls, {}).get("library", {}).get("auto", {})
+            return entry.get("ratio")
+
+        for key, cls in (("weights_ratio", "weights_bf16"), ("grads_ratio", "grads_bf16")):
+            if auto_ratio(cls):
+                found[key], sources[key] = auto_ratio(cls), f"{compression_path.name}: {cls} auto"
+        moments = [(classes[c]["sample_bytes"], auto_ratio(c)) for c in ("exp_avg", "exp_avg_sq") if auto_ratio(c)]
+        if moments:  # combine by bytes: stored = sum(raw / ratio)
+            total = sum(n for n, _ in moments)
+            found["moments_ratio"] = total / sum(n / r for n, r in moments)
+            sources["moments_ratio"] = f"{compression_path.name}: exp_avg + exp_avg_sq auto"
+    if stall_path is not None:
+        data = json.loads(stall_path.read_text())
+        methods = {m["name"]: m for m in data.get("methods", []) if m.get("available") and m.get("samples")}
+        where = f"{stall_path.name}"
+        dcp = methods.get("dcp.async_save", {}).get("summary", {})
+        if dcp.get("blocked_seconds_median"):
+            lost = dcp["blocked_seconds_median"] + max(0.0, dcp.get("next_step_extra_seconds") or 0.0)
+            found["dcp_stage_bytes_per_second"] = dcp["raw_bytes"] / lost
+            sources["dcp_stage_bytes_per_second"] = f"{where}: dcp.async_save"
+            found["dcp_persist_step_ratio"] = dcp.get("persist_step_ratio") or 1.0
+            sources["dcp_persist_step_ratio"] = f"{where}: dcp.async_save"
+        zstd = methods.get("dcp.async_save+zstd", {}).get("summary", {})
+        if zstd.get("ratio"):
+            found["dcp_zstd_ratio"], sources["dcp_zstd_ratio"] = zstd["ratio"], f"{where}: dcp.async_save+zstd"
+        for name in ASYNCCKPT_PREFERENCE:
+            ours = methods.get(name, {}).get("summary", {})
+            if ours.get("blocked_seconds_median"):
+                lost = ours["blocked_seconds_median"] + max(0.0, ours.get("next_step_extra_seconds") or 0.0)
+                found["ours_stage_bytes_per_second"] = ours["raw_bytes"] / lost
+                found["ours_persist_step_ratio"] = ours.get("persist_step_ratio") or 1.0
+                sources["ours_stage_bytes_per_second"] = sources["ours_persist_step_ratio"] = f"{where}: {name}"
+                for key in ("weights_ratio", "moments_ratio", "grads_ratio"):  # fallback: the whole state's ratio
+                    if key not in found and ours.get("ratio"):
+                        found[key], sources[key] = ours["ratio"], f"{where}: {name} (whole state)"
+                break
+        found["_device"] = data.get("model", {}).get("device")
+    found["_sources"] = sources
+    return found
+
+
+def build_parser(prog: str = "python -m benchmarks.cost_model") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--stall-results", type=Path, default=None, help="stall_time JSON (default: latest committed)")
+    p.add_argument("--compression-results", type=Path, default=None, help="compression JSON (default: latest)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--params", type=float, default=70e9, help="model parameters (default 70e9)")
+    p.add_argument("--gpus", default="8,16,32,64,128", help="GPU counts, comma-separated")
+    p.add_argument("--storage-gbps", default="5,10", help="shared storage bandwidths in GB/s, comma-separated")
+    p.add_argument("--gds-gbps", type=float, default=15.0, help="GPUDirect Storage bandwidth row (0: none)")
+    p.add_argument("--large-params", type=float, default=405e9, help="the large model's parameters (0: none)")
+    p.add_argument("--large-gpus", type=int, default=128)
+    p.add_argument("--saves-per-day", type=float, default=48.0, help="default: every 30 minutes")
+    p.add_argument("--days-per-month", type=float, default=30.0)
+    p.add_argument("--gpu-hour-price", type=float, default=2.50, help="money per GPU-hour (default 2.50)")
+    p.add_argument("--currency", default="$")
+    for name, text in (("weights-ratio", "BF16 weights compression ratio"), ("moments-ratio", "Adam moments ratio"),
+                       ("grads-ratio", "BF16 gradients ratio"), ("dcp-zstd-ratio", "DCP zstd ratio"),
+                       ("dcp-stage-gbps", "dcp.async_save staging GB/s per GPU"),
+                       ("ours-stage-gbps", "asyncckpt blocked-time GB/s per GPU"),
+                       ("dcp-persist-step-ratio", "DCP async step time while persisting / baseline"),
+                       ("ours-persist-step-ratio", "asyncckpt step time while persisting / baseline")):  # fmt: skip
+        p.add_argument(f"--{name}", type=float, default=None, help=f"{text} (default: measured)")
+    p.add_argument("--out", type=Path, default=None, help="also write <out>/<name>.json and .md")
+    p.add_argument("--name", default="cost_model")
+    return p
+
+
+def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
+    stall = args.stall_results or latest_result("stall_time", directory=args.results_dir)
+    compression = args.compression_results or latest_result("compression", directory=args.results_dir)
+    measured = measured_defaults(stall, compression)
+    sources: dict[str, str] = measured.pop("_sources")
+    device = measured.pop("_device", None)
+    warnings = []
+    if device == "cpu":
+        warnings.append(f"the stall inputs were measured on a CPU-only machine ({stall.name if stall else '?'}): "
+                        "staging throughputs there are host memcpy rates, not GPU ones")  # fmt: skip
+    values: dict[str, float] = {}
+    flags = {"weights_ratio": args.weights_ratio, "moments_ratio": args.moments_ratio, "grads_ratio": args.grads_ratio,
+             "dcp_zstd_ratio": args.dcp_zstd_ratio,
+             "dcp_stage_bytes_per_second": args.dcp_stage_gbps * GB if args.dcp_stage_gbps else None,
+             "ours_stage_bytes_per_second": args.ours_stage_gbps * GB if args.ours_stage_gbps else None,
+             "dcp_persist_step_ratio": args.dcp_persist_step_ratio,
+             "ours_persist_step_ratio": args.ours_persist_step_ratio}  # fmt: skip
+    missing = []
+    for key, flag in flags.items():
+        if flag is not None:
+            values[key], sources[key] = flag, "flag"
+        elif key in measured:
+            values[key] = measured[key]
+        elif key == "dcp_zstd_ratio":
+            values[key], sources[key] = 1.0, "not measured (1.0)"
+        else:
+            missing.append("--" + key.replace("_bytes_per_second", "_gbps").replace("_", "-"))
+    if missing:
+        raise SystemExit(f"cost_model: no measured value for {', '.join(missing)} in {args.results_dir}; "
+                         "run the benchmarks or pass the flags")  # fmt: skip
+    return Inputs(**values, sources=sources), warnings
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    out = []
+    gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    bandwidths = [float(b) for b in args.storage_gbps.split(",") if b.strip()]
+    label = f"{args.params / 1e9:.0f}B"
+    for g in gpus:
+        out += [Scenario(label, args.params, g, bw * GB) for bw in bandwidths]
+        if args.gds_gbps:
+            out.append(Scenario(label, args.params, g, args.gds_gbps * GB, gds=True))
+    if args.large_params:
+        big = f"{args.large_params / 1e9:.0f}B"
+        out += [Scenario(big, args.large_params, args.large_gpus, bw * GB) for bw in bandwidths]
+        if args.gds_gbps:
+            out.append(Scenario(big, args.large_params, args.large_gpus, args.gds_gbps * GB, gds=True))
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    c = report["currency"]
+    i = report["inputs"]
+    lines = [
+        f"### Checkpointing cost per month — {report['saves_per_month']:.0f} saves/month, "
+        f"{c}{report['gpu_hour_price']:.2f} per GPU-hour",
+        "",
+        f"Inputs: asyncckpt ratios {i['weights_ratio']:.3f}x BF16 weights, {i['moments_ratio']:.3f}x Adam moments, "
+        f"{i['grads_ratio']:.3f}x BF16 gradients; per GPU, training blocked at "
+        f"{i['dcp_stage_bytes_per_second'] / GB:.3g} GB/s of shard by dcp.async_save and "
+        f"{i['ours_stage_bytes_per_second'] / GB:.3g} GB/s by asyncckpt; steps while persisting "
+        f"{i['dcp_persist_step_ratio']:.2f}x (DCP) and {i['ours_persist_step_ratio']:.2f}x (asyncckpt) the baseline.",
+        "",
+        "| model, checkpoint | GPUs | storage | TB written/month: sync & DCP / asyncckpt | GPU-h idle/month: sync "
+        "| DCP async | asyncckpt | cost/month: sync | DCP async | asyncckpt |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for row in report["rows"]:
+        s = row["scenario"]
+        storage = f"{s['storage_bytes_per_second'] / GB:.0f} GB/s{' (GDS)' if s['gds'] else ''}"
+        sync, dcp, ours = row[SYNC], row[DCP_ASYNC], row[OURS]
+        lines.append(
+            f"| {s['label']}, {row['checkpoint_bytes'] / GB:.0f} GB | {s['gpus']} | {storage} "
+            f"| {sync['bytes_per_month'] / 1e12:,.0f} / {ours['bytes_per_month'] / 1e12:,.0f} "
+            f"| {sync['gpu_hours_per_month']:,.0f} | {dcp['gpu_hours_per_month']:,.1f} "
+            f"| {ours['gpu_hours_per_month']:,.2f} "
+            f"| {c}{sync['cost_per_month']:,.0f} | {c}{dcp['cost_per_month']:,.0f} | {c}{ours['cost_per_month']:,.2f} |"
+        )  # fmt: skip
+    lines += ["", "Sources: " + "; ".join(f"{k} ← {v}" for k, v in report["inputs"]["sources"].items()) + "."]
+    lines += [f"\n**Warning:** {w}." for w in report["warnings"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.cost_model") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    inputs, warnings = resolve_inputs(args)
+    saves = args.saves_per_day * args.days_per_month
+    rows = [monthly(s, inputs, saves, args.gpu_hour_price) for s in scenarios(args)]
+    report = {"benchmark": "cost_model", "created_utc": utc_stamp(), "command": f"{prog} {shlex.join(argv)}".strip(),
+              "saves_per_month": saves, "gpu_hour_price": args.gpu_hour_price, "currency": args.currency,
+              "inputs": asdict(inputs), "warnings": warnings, "rows": rows}  # fmt: skip
+    text = markdown(report)
+    if args.out is not None:
+        write_json(args.out / f"{args.name}.json", report)
+        write_atomically(args.out / f"{args.name}.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
