@@ -56,11 +56,6 @@ def debian_tool(name: str) -> str:
 
 
 @pytest.fixture
-def prometheus_binary() -> str:
-    return debian_tool("prometheus")
-
-
-@pytest.fixture
 def promtool_binary() -> str:
     return debian_tool("promtool")
 

@@ -103,6 +103,7 @@ def test_rank_port_rules() -> None:
         rank_port(65535, {"LOCAL_RANK": "1"})
 
 
+@pytest.mark.prometheus
 def test_promtool_accepts_the_exposition(run_dir: Path, promtool_binary: str) -> None:
     registry = CollectorRegistry()
     with asyncckpt.AsyncCheckpointer(run_dir, registry=registry) as ckpt:
