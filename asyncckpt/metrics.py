@@ -132,6 +132,30 @@ class Metrics:
             self.stage_seconds.labels(stage=stage)
         self._info_lock = threading.Lock()
         self._info: dict[str, str] | None = None
+        # Staging bytes of in-flight saves, oldest first, shared by every observer of this registry:
+        # a save may be staged through one observer and finished through another (the DCP
+        # integration's stager and writer). A checkpointer's one worker finishes saves in the order
+        # they were staged, and save_staged runs before the save is queued, so the oldest entry is
+        # the save being retired. (Several checkpointers saving at once may swap entries between
+        # them for a moment; the gauge is exact again whenever no save is in flight.)
+        self._staging_lock = threading.Lock()
+        self._staging: collections.deque[int] = collections.deque()
+
+    def stage(self, staging_bytes: int) -> None:
+        """A save was staged: count it in flight with its staging memory."""
+        with self._staging_lock:
+            self._staging.append(staging_bytes)
+        self.staging_bytes.inc(staging_bytes)
+        self.inflight.inc()
+
+    def retire(self) -> None:
+        """The oldest in-flight save committed or failed: its staging memory is released."""
+        with self._staging_lock:
+            if not self._staging:
+                return  # finished without a staged event (an integration reporting only the write)
+            staging = self._staging.popleft()
+        self.staging_bytes.dec(staging)
+        self.inflight.dec()
 
     def set_build_info(self, codec: str, io_mode: str = _UNKNOWN, snapshot_mode: str = _UNKNOWN) -> None:
         """Replace the build-info series (one at a time). ``unknown`` modes never replace known ones."""
@@ -191,18 +215,15 @@ def sync_equivalent_seconds(result: SaveResult) -> float:
 class PrometheusObserver:
     """A :class:`~asyncckpt.observer.SaveObserver` that records into :class:`Metrics`.
 
-    One per checkpointer; several may share one registry's metrics (counters add up,
-    gauges move by increments, so they stay right with any number of checkpointers).
+    One per checkpointer; several may share one registry's metrics (counters add up, gauges
+    move by increments, so they stay right with any number of checkpointers). Ignores the
+    ``inflight`` argument of the hooks: a count taken on another thread can be stale by the
+    time it arrives, an increment cannot.
     """
 
     def __init__(self, metrics: Metrics, codec: str = "auto") -> None:
         self.metrics = metrics
         self._codec = codec
-        self._lock = threading.Lock()
-        # Staging bytes of in-flight saves, oldest first. The one worker thread finishes saves
-        # in the order they were staged, and save_staged runs before the job is queued, so the
-        # oldest entry is always the save that save_finished/save_failed reports.
-        self._staging: collections.deque[int] = collections.deque()
         metrics.set_build_info(codec)
 
     @classmethod
@@ -222,10 +243,7 @@ class PrometheusObserver:
         m = self.metrics
         m.stall.observe(stall_seconds)
         m.gpu_idle.inc(max(0.0, stall_seconds))
-        with self._lock:
-            self._staging.append(staging_bytes)
-        m.staging_bytes.inc(staging_bytes)
-        m.inflight.inc()
+        m.stage(staging_bytes)
 
     def save_skipped(self) -> None:
         self.metrics.saves.labels(result="skipped").inc()
@@ -233,7 +251,7 @@ class PrometheusObserver:
     # Worker thread.
     def save_finished(self, result: SaveResult, inflight: int) -> None:
         m = self.metrics
-        self._retire()
+        m.retire()
         m.saves.labels(result="committed").inc()
         # The stall part was counted in save_staged; add the GPU time measured since.
         m.gpu_idle.inc(max(0.0, result.gpu_idle_seconds - result.stall_seconds))
@@ -249,14 +267,8 @@ class PrometheusObserver:
         m.set_build_info(self._codec, io_mode=result.io_mode, snapshot_mode=result.snapshot_mode)
 
     def save_failed(self, error: BaseException, inflight: int) -> None:
-        self._retire()
+        self.metrics.retire()
         self.metrics.saves.labels(result="failed").inc()
-
-    def _retire(self) -> None:
-        with self._lock:
-            staging = self._staging.popleft() if self._staging else 0
-        self.metrics.staging_bytes.dec(staging)
-        self.metrics.inflight.dec()
 
 
 @functools.cache

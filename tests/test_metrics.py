@@ -191,3 +191,23 @@ def test_every_save_result_label_is_exported_from_the_start() -> None:
         assert value(registry, "asyncckpt_saves_total", result=result) == 0
     for stage in STAGES:
         assert value(registry, "asyncckpt_stage_seconds_total", stage=stage) == 0
+
+
+def test_a_save_staged_through_one_observer_and_finished_through_another_balances() -> None:
+    # The DCP integration stages through its stager's observer and reports the write through its writer's.
+    from asyncckpt.metrics import PrometheusObserver, metrics_for
+
+    registry = CollectorRegistry()
+    stager, writer = PrometheusObserver(metrics_for(registry)), PrometheusObserver(metrics_for(registry))
+    stager.save_staged(0.002, 4096, 1)
+    stager.save_staged(0.003, 1024, 2)
+    assert value(registry, "asyncckpt_staging_bytes") == 5120 and value(registry, "asyncckpt_inflight_saves") == 2
+    writer.save_finished(SaveResult(step=1, path=None, raw_bytes=4096, stored_bytes=4096, stall_seconds=0.002,
+                                    gpu_idle_seconds=0.002), 1)  # fmt: skip
+    assert value(registry, "asyncckpt_staging_bytes") == 1024 and value(registry, "asyncckpt_inflight_saves") == 1
+    writer.save_failed(OSError("disk full"), 0)
+    assert value(registry, "asyncckpt_staging_bytes") == 0 and value(registry, "asyncckpt_inflight_saves") == 0
+    writer.save_failed(OSError("reported twice"), 0)  # an extra report never drives the gauges negative
+    assert value(registry, "asyncckpt_staging_bytes") == 0 and value(registry, "asyncckpt_inflight_saves") == 0
+    assert value(registry, "asyncckpt_saves_total", result="failed") == 2
+    assert value(registry, "asyncckpt_gpu_idle_seconds_total") == pytest.approx(0.005)
