@@ -115,10 +115,14 @@ def plane_entropy(raw: torch.Tensor, planes: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ timing
 def timed(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.2,
-          max_repeats: int = 3) -> tuple[Any, float]:  # fmt: skip
-    """Run ``fn`` once to warm up, then until ``min_seconds`` or ``max_repeats``; return (result, median seconds)."""
+          max_repeats: int = 3, first: list[float] | None = None) -> tuple[Any, float]:  # fmt: skip
+    """Run ``fn`` once to warm up (its seconds appended to ``first``), then until ``min_seconds`` or
+    ``max_repeats``; return (result, median seconds of the timed runs)."""
+    began = time.perf_counter()
     result = fn()
     synchronize(device)
+    if first is not None:
+        first.append(time.perf_counter() - began)
     times: list[float] = []
     while len(times) < max_repeats and (not times or sum(times) < min_seconds):
         began = time.perf_counter()
@@ -128,13 +132,19 @@ def timed(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.2,
     return result, median(times) or 0.0
 
 
-def measure_encoder(name: str, encoder: Any, raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
-    """Ratio and throughputs of one asyncckpt encoder on ``raw`` (its decoder too, where this machine has one)."""
+def measure_encoder(name: str, encoder: Any, raw: torch.Tensor, dtype: torch.dtype, key: str) -> dict[str, Any]:
+    """Ratio and throughputs of one asyncckpt encoder on ``raw`` (its decoder too, where this machine has one).
+
+    ``key`` is the tensor's name for the encoder: ``auto`` remembers its choice per key, so the
+    first (warm-up) encode probes the candidates and the timed ones run the chosen codec.
+    """
     device = raw.device
-    blob, seconds = timed(lambda: encoder.encode(raw, dtype, "bench"), device)
+    first: list[float] = []
+    blob, seconds = timed(partial(encoder.encode, raw, dtype, key), device, first=first)
     out: dict[str, Any] = {"codec": blob.codec, "params": dict(blob.params), "stored_bytes": blob.stored_bytes,
                            "ratio": raw.numel() / max(1, blob.stored_bytes),
-                           "compress_bytes_per_second": raw.numel() / seconds if seconds else None}  # fmt: skip
+                           "compress_bytes_per_second": raw.numel() / seconds if seconds else None,
+                           "first_encode_seconds": first[0]}  # fmt: skip
     errors = []
     # Decode where the blob is; a CPU-decodable GPU blob (RAW zstd, ...) may also be decoded on the host.
     for where in ("device", "host") if blob.data.is_cuda else ("host",):
@@ -243,8 +253,8 @@ def measure_nvcomp(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, dict[str,
 
 
 # ------------------------------------------------------------------------------------------------ run
-def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int,
-                    progress: Progress) -> dict[str, Any]:  # fmt: skip
+def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int, progress: Progress,
+                    on_class: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:  # fmt: skip
     device = workload.device
     classes = workload.tensor_classes()
     encoders = library_encoders(device)
@@ -264,7 +274,7 @@ def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int
                 if isinstance(backend, str):
                     continue
                 try:
-                    library[codec] = measure_encoder(codec, backend.encoder, raw, dtype)
+                    library[codec] = measure_encoder(codec, backend.encoder, raw, dtype, f"bench/{cls}")
                 except Exception as exc:  # noqa: BLE001
                     library[codec] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
             entry["library"] = library
@@ -285,6 +295,8 @@ def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int
                 except ImportError as exc:
                     entry["nvcomp"] = {"error": f"nvCOMP not importable: {exc}"}
             out["classes"][cls] = entry
+            if on_class is not None:
+                on_class(out)
             ent = entry["entropy"]
             progress.say(f"{cls}: {fmt_bytes(raw.numel())} sample, bound {ent['bound_ratio_planes']:.3f}x (planes); "
                          f"auto -> {entry['auto_chose']['codec']} {auto.get('ratio', 0):.3f}x")  # fmt: skip
@@ -405,18 +417,22 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.co
         progress.say(f"compression benchmark on {machine_label(machine)}: {workload.parameters / 1e6:.3g}M-parameter "
                      f"model, training {args.train_steps} steps")  # fmt: skip
         workload.train(args.train_steps, progress)
-        measured = measure_classes(workload, args.sample_bytes, args.cpu_sample_bytes, progress)
-    report = {"benchmark": "compression", "format": FORMAT_VERSION, "created_utc": utc_stamp(),
-              "command": f"{prog} {shlex.join(argv)}".strip(), "tiny": args.tiny, "machine": machine,
-              "versions": versions(),
-              "model": {"parameters": workload.parameters, "width": config.width, "layers": config.layers,
-                        "train_steps": args.train_steps, "device": workload.device.type,
-                        "final_loss": workload.last_loss},
-              **measured}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / f"{name}.json", report)
+        head = {"benchmark": "compression", "format": FORMAT_VERSION, "created_utc": utc_stamp(),
+                "command": f"{prog} {shlex.join(argv)}".strip(), "tiny": args.tiny, "machine": machine,
+                "versions": versions(),
+                "model": {"parameters": workload.parameters, "width": config.width, "layers": config.layers,
+                          "train_steps": args.train_steps, "device": workload.device.type,
+                          "final_loss": workload.last_loss}}  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+
+        def write(measured: dict[str, Any]) -> dict[str, Any]:  # after every class: a killed run keeps its rows
+            report = {**head, **measured}
+            write_json(args.out / f"{name}.json", report)
+            write_atomically(args.out / f"{name}.md", markdown(report))
+            return report
+
+        report = write(measure_classes(workload, args.sample_bytes, args.cpu_sample_bytes, progress, write))
     text = markdown(report)
-    write_atomically(args.out / f"{name}.md", text)
     print(text)
     progress.say(f"wrote {args.out / name}.json/.md")
     return 0

@@ -86,8 +86,10 @@ def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, float]]:
                    + parts["grads"] / i.grads_ratio)  # fmt: skip
     bw = s.storage_bytes_per_second
     out = {SYNC: {"stored_bytes": raw, "blocked_seconds": raw / bw, "slowdown_seconds": 0.0, "persist_seconds": 0.0}}
-    for name, stored, rate, ratio in ((DCP_ASYNC, raw, i.dcp_stage_bytes_per_second, i.dcp_persist_step_ratio),
-                                      (OURS, ours_stored, i.ours_stage_bytes_per_second, i.ours_persist_step_ratio)):
+    for name, stored, rate, ratio in (
+        (DCP_ASYNC, raw, i.dcp_stage_bytes_per_second, i.dcp_persist_step_ratio),
+        (OURS, ours_stored, i.ours_stage_bytes_per_second, i.ours_persist_step_ratio),
+    ):
         persist = stored / bw
         out[name] = {"stored_bytes": stored, "blocked_seconds": shard / rate, "persist_seconds": persist,
                      "slowdown_seconds": max(0.0, ratio - 1.0) * persist}  # fmt: skip
