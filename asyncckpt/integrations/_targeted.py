@@ -1,0 +1,95 @@
+"""An asynchronous checkpointer that saves each checkpoint to a path the framework chooses.
+
+Lightning names checkpoints ``epoch=0-step=10.ckpt`` and ``last.ckpt``; the Hugging Face Trainer
+``checkpoint-500``. This wraps :class:`~asyncckpt.AsyncCheckpointer` (same staging, codecs,
+worker thread, error reporting and metrics) so that save ``n`` is committed as a directory at
+its own path: written beside it under a temporary name, then renamed into place, replacing an
+older checkpoint of the same name whole (no ``latest`` pointer, no ``step-*`` names).
+
+Threads: :meth:`save_to`, :meth:`wait_for`, :meth:`close` on the training thread; the commit on
+the checkpointer's worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..checkpointer import AsyncCheckpointer
+from ..handle import SaveHandle
+from ..persist import SaveJob, check_extra_files, persist_to
+from ..result import SaveResult
+
+
+class TargetedCheckpointer(AsyncCheckpointer):
+    """:class:`~asyncckpt.AsyncCheckpointer` whose saves go to explicit paths (see module docstring).
+
+    The ``step`` of each manifest is a per-process save counter (the framework's own step goes in
+    ``metadata``), so two saves at one training step (``last.ckpt`` and ``epoch=..ckpt``) never clash.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(directory, **kwargs)
+        self._counter = itertools.count(1)
+        self._targets: dict[int, tuple[Path, dict[str, bytes]]] = {}
+        self._target_lock = threading.Lock()
+
+    def save_to(self, path: str | os.PathLike[str], state: object, *, metadata: dict[str, Any] | None = None,
+                files: dict[str, bytes] | None = None) -> SaveHandle:  # fmt: skip
+        """Snapshot ``state`` now; commit it as the directory ``path`` in the background. Training thread.
+
+        ``files``: small extra files (name -> bytes) committed inside the same directory, atomically
+        with the tensors (e.g. the Trainer's ``trainer_state.json``).
+        """
+        target = Path(path).absolute()
+        extra = check_extra_files(files)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        number = next(self._counter)
+        with self._target_lock:
+            self._targets[number] = (target, extra)
+        try:
+            return self.save(number, state, metadata=metadata)
+        except BaseException:
+            with self._target_lock:
+                self._targets.pop(number, None)
+            raise
+
+    def wait_for(self, path: str | os.PathLike[str]) -> None:
+        """Wait until no save to ``path`` is in flight (raises the first unreported failure)."""
+        target = Path(path).absolute()
+        with self._target_lock:
+            numbers = [n for n, (p, _) in self._targets.items() if p == target]
+        with self._lock:
+            handles = [self._inflight[n] for n in numbers if n in self._inflight]
+        for handle in handles:
+            handle.wait()
+        self._raise_unreported()
+
+    def _persist(self, job: SaveJob) -> SaveResult:
+        with self._target_lock:
+            target, files = self._targets[job.step]
+        job.files = files
+        try:
+            return persist_to(job, target, self._backend.encoder, self._backend.storage, point_latest=False,
+                              replace=True)  # fmt: skip
+        finally:  # only now: wait_for() must see this save until it is committed or failed
+            with self._target_lock:
+                self._targets.pop(job.step, None)
+
+
+def remove_checkpoint_dir(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint directory (renamed aside first, so it never looks half-deleted) or file."""
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink():
+        doomed = target.with_name(f".deleting-{target.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(target, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()

@@ -1,0 +1,94 @@
+"""Lightning: a real Trainer.fit saving through AsyncCkptIO, and a resume from its checkpoint that continues
+bit-for-bit like an uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import asyncckpt  # noqa: E402
+from asyncckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
+
+pytestmark = [
+    # Lightning's own internals warn about torch APIs it uses; not ours to fix.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:lightning"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*isinstance.treespec, LeafSpec.*"),
+    # Resuming into the run's own checkpoint directory, as a user would: Lightning notes it is not empty.
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning"),
+    pytest.mark.timeout(180),
+]
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # stored in the checkpoint as an AttributeDict
+        self.net = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _data() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(64, 16, generator=gen), torch.randn(64, 1, generator=gen)),
+                      batch_size=16, shuffle=False)  # fmt: skip
+
+
+def _trainer(root: Path, epochs: int, plugins: list | None = None) -> L.Trainer:
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=-1, save_last=True, every_n_epochs=1)
+    return L.Trainer(max_epochs=epochs, default_root_dir=root, plugins=plugins, callbacks=[checkpoints],
+                     logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                     deterministic=True)  # fmt: skip
+
+
+def _fit(root: Path, epochs: int, ckpt_path: Path | None = None) -> Regressor:
+    torch.manual_seed(0)
+    model = Regressor()
+    _trainer(root, epochs, plugins=[AsyncCkptIO(codec="zstd")]).fit(model, _data(), ckpt_path=ckpt_path)
+    return model
+
+
+def test_fit_saves_asynchronously_and_resume_continues_exactly(tmp_path: Path) -> None:
+    two = _fit(tmp_path / "a", epochs=2)
+    checkpoints = tmp_path / "a" / "checkpoints"
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"], names
+    for name in names:  # each is a committed asyncckpt checkpoint directory, verified end to end
+        assert (checkpoints / name / "manifest.json").is_file()
+        asyncckpt.verify(checkpoints / name)
+    last = AsyncCkptIO().load_checkpoint(checkpoints / "last.ckpt")
+    assert last["global_step"] == 8 and last["epoch"] == 1
+    assert last["hyper_parameters"] == {"width": 16}
+    for key, value in two.state_dict().items():
+        assert torch.equal(last["state_dict"][key], value), key
+    assert last["optimizer_states"][0]["state"][0]["exp_avg"].abs().sum() > 0
+
+    resumed = _fit(tmp_path / "a", epochs=3, ckpt_path=checkpoints / "last.ckpt")
+    straight = _fit(tmp_path / "b", epochs=3)
+    for key, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), f"{key}: resumed run diverged from a straight run"
+    assert AsyncCkptIO().load_checkpoint(checkpoints / "last.ckpt")["global_step"] == 12
+    assert sorted(p.name for p in checkpoints.iterdir()) == [*names[:2], "epoch=2-step=12.ckpt", "last.ckpt"]
+
+
+def test_remove_checkpoint_and_unsupported_values(tmp_path: Path) -> None:
+    io = AsyncCkptIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, tmp_path / "x.ckpt")
+    io.remove_checkpoint(tmp_path / "x.ckpt")  # waits for the save in flight, then deletes it whole
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match="callbacks/Odd/fn"):  # no pickle: an object it cannot store is named
+        io.save_checkpoint({"callbacks": {"Odd": {"fn": print}}}, tmp_path / "y.ckpt")
+    io.teardown()
