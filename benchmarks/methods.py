@@ -93,6 +93,10 @@ class TorchSave(Method):
         return _done_now(Finished(time.perf_counter() - began, path))
 
 
+def process_group_store(scratch: Path) -> Path:
+    return scratch / f"dcp-store-{os.getpid()}"
+
+
 def ensure_process_group(scratch: Path) -> bool:
     """Start a 1-rank gloo process group unless one exists; True if this call started it."""
     import torch.distributed as dist
@@ -101,8 +105,10 @@ def ensure_process_group(scratch: Path) -> bool:
         raise Unavailable("torch.distributed is not available in this torch build")
     if dist.is_initialized():
         return False
-    store_path = scratch / f"dcp-store-{os.getpid()}"
+    store_path = process_group_store(scratch)
     store_path.unlink(missing_ok=True)
+    # One rank talks to nobody: keep gloo on the loopback interface, which works without a resolvable hostname.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.FileStore(str(store_path), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     return True

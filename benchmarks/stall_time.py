@@ -61,7 +61,15 @@ from .common import (
     write_atomically,
     write_json,
 )
-from .methods import BASELINE, Method, Unavailable, build_method, default_methods, ensure_process_group
+from .methods import (
+    BASELINE,
+    Method,
+    Unavailable,
+    build_method,
+    default_methods,
+    ensure_process_group,
+    process_group_store,
+)
 
 FORMAT_VERSION = 1
 OUTPUT_RESERVE_SECONDS = 15.0
@@ -84,8 +92,8 @@ def build_parser(prog: str = "python -m benchmarks.stall_time") -> argparse.Argu
     p.add_argument("--min-steps-after", type=int, default=3, help="training steps after every save, at least")
     p.add_argument("--methods", default="default",
                    help="comma-separated: baseline, torch.save, dcp.save, dcp.async_save, dcp.async_save+zstd, "
-                        "dcp.async_save+pinned, asyncckpt:<snapshot>:<codec> "
-                        "(default: all that apply here)")  # fmt: skip
+                        "dcp.async_save+pinned, asyncckpt:<snapshot>:<codec>, default (= all that apply "
+                        "here; the default)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=None, help="rounds over the methods, at most (default 5, tiny 1)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the measuring rounds (default 120 on CPU, 400 on GPU)")  # fmt: skip
@@ -283,10 +291,17 @@ class Runner:
                 run.method.close()
             except Exception as exc:  # noqa: BLE001 - recorded with the method
                 run.error = run.error or f"on close: {type(exc).__name__}: {exc}"
+            directory = getattr(run.method, "directory", None)
+            if directory is not None:
+                remove(directory)
 
 
 def _method_names(spec: str, cuda: bool) -> list[str]:
-    names = default_methods(cuda) if spec == "default" else [m.strip() for m in spec.split(",") if m.strip()]
+    names: list[str] = []
+    for item in (m.strip() for m in spec.split(",")):
+        for name in default_methods(cuda) if item == "default" else [item] if item else []:
+            if name not in names:
+                names.append(name)
     for name in names:
         if name != BASELINE:
             build_method(name)  # reject a misspelt method before training
@@ -518,6 +533,7 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            remove(process_group_store(scratch))
     data = report()
     write_json(args.out / f"{name}.json", data)
     text = markdown(data)

@@ -1,0 +1,175 @@
+"""Smoke tests of the benchmarks at --tiny size: the structure of what they write, not their timings.
+
+The stall-time and compression benchmarks run as real subprocesses (as a user runs them); the
+cost model's arithmetic is checked against figures worked out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import cost_model  # noqa: E402
+from benchmarks.common import median, p95  # noqa: E402
+
+
+def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stall_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("stall")
+    scratch = out / "scratch"
+    proc = run_module("-m", "benchmarks.stall_time", "--tiny", "--out", str(out), "--name", "tiny",
+                      "--dir", str(scratch), "--methods", "default,asyncckpt:device:auto")  # fmt: skip
+    return out, proc
+
+
+def test_stall_time_writes_json_markdown_and_chart(stall_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = stall_run
+    report = json.loads((out / "tiny.json").read_text())
+    assert report["benchmark"] == "stall_time" and report["tiny"] is True
+    assert report["machine"]["cpu_cores"] >= 1 and report["versions"]["torch"]
+    assert report["command"].startswith("python -m benchmarks.stall_time --tiny")
+    storage, copies = report["limits"]["storage"], report["limits"]["copies"]
+    assert storage["write_bytes_per_second"] > 0 and storage["read_bytes_per_second"] > 0
+    assert copies["host_copy_bytes_per_second"] > 0
+    names = [m["name"] for m in report["methods"]]
+    assert names[0] == "baseline"
+    expected = {"torch.save", "dcp.save", "dcp.async_save", "asyncckpt:host:auto", "asyncckpt:host:none"}
+    assert expected <= set(names)
+    state_bytes = report["model"]["state_bytes"]
+    for entry in report["methods"]:
+        if entry["name"] in expected:
+            assert entry["available"] and entry["error"] is None, entry
+            (sample,) = entry["samples"]  # --tiny: one round
+            assert sample["raw_bytes"] == state_bytes
+            assert sample["stored_bytes"] > 0 and sample["blocked_seconds"] > 0
+            assert sample["durable_seconds"] >= 0 and sample["steps_after"] >= 3
+            summary = entry["summary"]
+            assert summary["blocked_seconds_median"] == sample["blocked_seconds"]
+            assert summary["ratio"] == pytest.approx(state_bytes / sample["stored_bytes"])
+    ours = next(m for m in report["methods"] if m["name"] == "asyncckpt:host:auto")
+    assert ours["samples"][0]["snapshot_mode"] == "host" and "zstd" in ours["samples"][0]["codecs"]
+    baseline = report["methods"][0]
+    assert baseline["summary"]["step_seconds_median"] > 0
+    # A method this machine cannot run is a row with the reason, not a crash.
+    device = next(m for m in report["methods"] if m["name"] == "asyncckpt:device:auto")
+    assert not device["available"] and "CUDA" in device["unavailable"]
+    # Every checkpoint was deleted after it was measured, and the scratch directory left empty.
+    assert list((out / "scratch").iterdir()) == []
+
+
+def test_stall_time_markdown_on_stdout(stall_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, proc = stall_run
+    markdown = (out / "tiny.md").read_text()
+    assert markdown.strip() in proc.stdout
+    assert "| method | blocked per save, median (p95) |" in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 7  # header + every method but the baseline
+    assert "unavailable: CheckpointError" in markdown
+    assert "round 1: torch.save: blocked" in proc.stderr  # progress goes to stderr
+    assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compression_tiny(tmp_path: Path) -> None:
+    proc = run_module("-m", "benchmarks.compression", "--tiny", "--out", str(tmp_path), "--name", "c")
+    report = json.loads((tmp_path / "c.json").read_text())
+    classes = report["classes"]
+    assert list(classes) == ["weights_fp32", "weights_bf16", "exp_avg", "exp_avg_sq", "grads_fp32", "grads_bf16"]
+    for name, entry in classes.items():
+        planes = 2 if "bf16" in name else 4
+        entropy = entry["entropy"]
+        assert len(entropy["plane_bits_per_byte"]) == planes
+        assert all(0 <= bits <= 8 for bits in entropy["plane_bits_per_byte"])
+        assert entropy["bound_ratio_planes"] >= 1.0
+        for codec in ("auto", "zstd", "none"):
+            result = entry["library"][codec]
+            assert result["ratio"] > 0 and result["compress_bytes_per_second"] > 0
+            assert result["roundtrip_exact"] is True
+        assert entry["auto_chose"]["codec"] == "zstd"
+        assert entry["library"]["none"]["ratio"] == pytest.approx(1.0)
+        assert set(entry["cpu"]) == {"zstd-1 planes", "zstd-3 planes", "zstd-1 no planes"}
+    assert "ans" in report["library_unavailable"]  # GPU-only codecs are listed as unavailable on a CPU machine
+    assert "| asyncckpt `auto` |" in proc.stdout and "order-0 bound" in proc.stdout
+
+
+def _inputs(**overrides: float) -> cost_model.Inputs:
+    values = {"weights_ratio": 1.5, "moments_ratio": 1.2, "grads_ratio": 2.0, "dcp_zstd_ratio": 1.05,
+              "dcp_stage_bytes_per_second": 5e9, "ours_stage_bytes_per_second": 500e9,
+              "dcp_persist_step_ratio": 1.0, "ours_persist_step_ratio": 1.1, **overrides}  # fmt: skip
+    return cost_model.Inputs(**values, sources={})
+
+
+def test_cost_model_arithmetic() -> None:
+    scenario = cost_model.Scenario("70B", 70e9, gpus=8, storage_bytes_per_second=5e9)
+    row = cost_model.monthly(scenario, _inputs(), saves_per_month=1440, price=2.0)
+    assert row["checkpoint_bytes"] == pytest.approx(840e9)  # 70e9 * (2 + 8 + 2)
+    sync = row[cost_model.SYNC]
+    assert sync["blocked_seconds"] == pytest.approx(168.0)  # 840 GB at 5 GB/s
+    assert sync["gpu_hours_per_month"] == pytest.approx(8 * 168 * 1440 / 3600)
+    assert sync["cost_per_month"] == pytest.approx(2.0 * sync["gpu_hours_per_month"])
+    dcp = row[cost_model.DCP_ASYNC]
+    assert dcp["blocked_seconds"] == pytest.approx(105e9 / 5e9)  # the 105 GB shard at 5 GB/s
+    assert dcp["slowdown_seconds"] == 0.0
+    ours = row[cost_model.OURS]
+    stored = 140e9 / 1.5 + 560e9 / 1.2 + 140e9 / 2.0
+    assert ours["stored_bytes"] == pytest.approx(stored)
+    assert ours["blocked_seconds"] == pytest.approx(105e9 / 500e9)
+    assert ours["slowdown_seconds"] == pytest.approx(0.1 * stored / 5e9)
+    assert ours["bytes_per_month"] == pytest.approx(stored * 1440)
+
+
+def test_cost_model_reads_results_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stall = {"model": {"device": "cuda"}, "methods": [
+        {"name": "dcp.async_save", "available": True, "samples": [{}],
+         "summary": {"raw_bytes": 10e9, "blocked_seconds_median": 2.0, "next_step_extra_seconds": 0.5,
+                     "persist_step_ratio": 1.3}},
+        {"name": "dcp.async_save+zstd", "available": True, "samples": [{}], "summary": {"ratio": 1.07}},
+        {"name": "asyncckpt:fence:auto", "available": True, "samples": [{}],
+         "summary": {"raw_bytes": 10e9, "blocked_seconds_median": 0.001, "next_step_extra_seconds": 0.009,
+                     "persist_step_ratio": 1.02, "ratio": 1.2}},
+    ]}  # fmt: skip
+    (tmp_path / "stall_time-20260101-000000-h200.json").write_text(json.dumps(stall))
+    assert cost_model.main(["--results-dir", str(tmp_path), "--gpus", "8,128", "--storage-gbps", "5",
+                            "--large-params", "0", "--moments-ratio", "1.25", "--out", str(tmp_path)]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "cost_model.json").read_text())
+    inputs = report["inputs"]
+    assert inputs["dcp_stage_bytes_per_second"] == pytest.approx(10e9 / 2.5)
+    assert inputs["ours_stage_bytes_per_second"] == pytest.approx(10e9 / 0.01)
+    assert inputs["ours_persist_step_ratio"] == 1.02 and inputs["dcp_zstd_ratio"] == 1.07
+    assert inputs["moments_ratio"] == 1.25 and inputs["sources"]["moments_ratio"] == "flag"
+    assert inputs["weights_ratio"] == 1.2  # no compression results: the whole state's ratio
+    assert len(report["rows"]) == 2 * 2  # 2 GPU counts x (5 GB/s + GDS)
+    assert "| 70B, 840 GB | 128 | 15 GB/s (GDS) |" in capsys.readouterr().out
+
+
+def test_cost_model_without_measurements_says_which_flags(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--dcp-stage-gbps"):
+        cost_model.main(["--results-dir", str(tmp_path)])
+
+
+def test_bench_command_runs_the_cost_model() -> None:
+    code = "import sys; from asyncckpt.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = run_module("-c", code, "bench", "cost", "--gpus", "8", "--large-params", "0", "--weights-ratio", "1.4",
+                      "--moments-ratio", "1.1", "--grads-ratio", "1.3", "--dcp-stage-gbps", "4",
+                      "--ours-stage-gbps", "300", "--dcp-persist-step-ratio", "1", "--ours-persist-step-ratio", "1",
+                      "--results-dir", str(REPO / "tests"), timeout=60)  # fmt: skip
+    assert "### Checkpointing cost per month" in proc.stdout
+    assert "| 70B, 840 GB | 8 | 5 GB/s |" in proc.stdout
+
+
+def test_statistics() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5 and median([]) is None
+    assert p95([float(i) for i in range(1, 101)]) == 95.0
+    assert p95([1.0, 9.0]) == 9.0 and p95([]) is None
