@@ -41,6 +41,10 @@ def cpu_encoder(options: CheckpointOptions) -> Encoder:
 def build_backend(options: CheckpointOptions) -> Backend:
     """Pick the data path. Runs once, on the thread that builds the checkpointer."""
     wants_gpu = options.codec not in CPU_ENCODERS or options.snapshot in ("device", "fence")
+    if options.codec == "auto" and not wants_gpu:
+        from .gpu.deps import gpu_path_available  # imports nothing optional on a machine without CUDA
+
+        wants_gpu = gpu_path_available()  # auto means nvCOMP wherever the GPU path can run
     if wants_gpu:
         try:
             from .gpu.backend import build_gpu_backend

@@ -62,10 +62,7 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
     began = time.perf_counter()
     path = resolve_checkpoint(directory_or_checkpoint, step)
     manifest = read_manifest(path)
-    target = None if map_location is None else torch.device(map_location)
-    tensors = [
-        _place(t, rec, target, path) for t, rec in zip(_decoded_tensors(path, manifest), manifest.tensors, strict=False)
-    ]
+    tensors = load_tensors(path, manifest, map_location)
 
     def tensor_at(index: int) -> torch.Tensor:
         if not 0 <= index < len(tensors):
@@ -85,10 +82,27 @@ def load_tensors(checkpoint: Path, manifest: Manifest, map_location: MapLocation
     Runs on the calling thread.
     """
     target = None if map_location is None else torch.device(map_location)
+    if _restores_on_gpu(manifest, target):
+        from .gpu.restore import decode_on_device
+
+        return decode_on_device(checkpoint, manifest, target)
     return [
         _place(t, rec, target, checkpoint)
         for t, rec in zip(_decoded_tensors(checkpoint, manifest), manifest.tensors, strict=False)
     ]
+
+
+def _restores_on_gpu(manifest: Manifest, target: torch.device | None) -> bool:
+    """Whether tensors go to a GPU and the GPU path (KvikIO reads, nvCOMP decodes on the device) can run."""
+    if target is not None:
+        wants_cuda = target.type == "cuda"
+    else:
+        wants_cuda = any(record.device.startswith("cuda") for record in manifest.tensors)
+    if not wants_cuda:
+        return False
+    from .gpu.deps import gpu_path_available  # imports nothing optional on a machine without CUDA
+
+    return gpu_path_available()
 
 
 def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyReport:

@@ -13,6 +13,7 @@ import re
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,15 @@ def blob_checksum(blob: EncodedBlob) -> Checksum:
     return Checksum("crc32", checksum.compute("crc32", blob.data))
 
 
+def encode_all(encoder: Encoder, snapshot: Snapshot) -> Iterator[EncodedBlob]:
+    """The blobs of ``snapshot.tensors`` in order. An encoder with ``encode_snapshot`` (the GPU
+    pipeline) compresses in batches, ahead of the writer; any other encodes one tensor at a time."""
+    by_snapshot = getattr(encoder, "encode_snapshot", None)
+    if by_snapshot is not None:
+        return iter(by_snapshot(snapshot))
+    return (encoder.encode(t.data, t.dtype, t.key) for t in snapshot.tensors)
+
+
 @dataclass
 class WrittenPart:
     """The tensors of one snapshot, durable in one data file (not yet committed)."""
@@ -80,20 +90,23 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
     """
     stages = {"compress": 0.0, "write": 0.0, "fsync": 0.0}
     snapshot.wait_ready()
+    # A fence snapshot's bytes are live tensors that training overwrites once they are compressed,
+    # so an incompressible blob stays as encoded instead of being re-read raw.
+    stable = getattr(snapshot, "stable", True)
     writer = storage.open_writer(path)
     try:
-        records, codecs, keep_alive = [], Counter[str](), []
+        records, codecs = [], Counter[str]()
+        blobs = encode_all(encoder, snapshot)
         for staged in snapshot.tensors:
             began = time.perf_counter()
-            blob = encoder.encode(staged.data, staged.dtype, staged.key)
-            if blob.codec != "none" and blob.stored_bytes >= staged.data.numel():
+            blob = next(blobs)
+            if blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and stable:
                 blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
             digest = blob_checksum(blob)
             written = time.perf_counter()
-            offset = writer.append(blob.data)
+            offset = writer.append(blob.data)  # the writer keeps blob.data alive until it is written
             stages["compress"] += written - began
             stages["write"] += time.perf_counter() - written
-            keep_alive.append(blob.data)  # writes may be queued until sync()
             codecs[blob.codec] += 1
             records.append(TensorRecord(
                 key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),

@@ -11,19 +11,22 @@ from collections.abc import Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError, gpu_extra_hint
 from .base import Decoder, EncodedBlob, Encoder
+from .deflate import DeflateDecoder
+from .lz4 import Lz4Decoder
 from .none import NoneCodec
 from .zstd import ZstdCodec
 
 __all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "ZstdCodec", "get_decoder", "register_decoder",
            "GPU_ONLY_CODECS", "CPU_CODECS"]  # fmt: skip
 
-CPU_CODECS = ("none", "zstd")
+CPU_CODECS = ("none", "zstd", "lz4", "deflate")
 """Codec names a CPU-only machine can decode."""
 
 GPU_ONLY_CODECS = frozenset({"ans", "gdeflate", "bitcomp", "cascaded"})
 """nvCOMP formats with no CPU decoder: reading them needs a GPU and the GPU extra."""
 
-_decoder_factories: dict[str, Callable[[], Decoder]] = {"none": NoneCodec, "zstd": ZstdCodec}
+_decoder_factories: dict[str, Callable[[], Decoder]] = {"none": NoneCodec, "zstd": ZstdCodec, "lz4": Lz4Decoder,
+                                                         "deflate": DeflateDecoder}  # fmt: skip
 _decoders: dict[str, Decoder] = {}
 
 
@@ -37,6 +40,13 @@ def get_decoder(name: object, where: str) -> Decoder:
     """The decoder for a codec named in a manifest; ``where`` locates it in error messages."""
     if not isinstance(name, str):
         raise CorruptCheckpointError(f"{where}: codec name is not a string: {name!r}")
+    if name not in _decoder_factories and name in GPU_ONLY_CODECS:
+        from ..gpu.deps import gpu_path_available  # cheap: nothing optional is imported without CUDA
+
+        if gpu_path_available():
+            from ..gpu.decoders import register
+
+            register()  # nvCOMP decoders for the GPU-only formats
     if name not in _decoder_factories:
         if name in GPU_ONLY_CODECS:
             raise CheckpointError(

@@ -26,7 +26,8 @@ class BlobWriter(Protocol):
     def append(self, data: torch.Tensor) -> int:
         """Queue ``data`` for writing at the next aligned offset and return that offset.
 
-        The buffer must stay alive and unmodified until :meth:`sync` returns.
+        The writer keeps a reference to ``data`` until it is written (writes may be queued);
+        the caller must not modify it until :meth:`sync` returns.
         """
         ...
 

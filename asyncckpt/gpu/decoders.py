@@ -1,0 +1,180 @@
+"""Decoding nvCOMP blobs on the GPU: many tensors per batched call, byte planes joined on the device.
+
+:func:`decode_many` is what a GPU restore uses; :class:`NvcompDecoder` adapts it to the
+one-tensor :class:`~asyncckpt.codecs.Decoder` interface so :func:`asyncckpt.loader.verify` and
+host-side loads of GPU-only codecs work on a GPU machine (blobs are moved to the GPU and back).
+:func:`register` installs those decoders in :mod:`asyncckpt.codecs` when the GPU path is usable.
+
+Runs on the calling thread; GPU work goes on a per-thread decode stream, and every function
+returns only once its outputs are complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from . import batch
+from .planes import join_into
+from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
+
+_local = threading.local()
+
+
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's decode stream on ``device``."""
+    streams: dict[int, torch.cuda.Stream] = getattr(_local, "streams", None) or {}
+    _local.streams = streams
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
+
+
+@dataclass
+class DecodeItem:
+    """One tensor to decode: its blob and output on the same CUDA device."""
+
+    blob: torch.Tensor
+    chunks: Sequence[tuple[int, int]]
+    out: torch.Tensor
+    where: str
+
+
+def _regular_chunk(chunks: Sequence[tuple[int, int]], planes: int, where: str) -> int | None:
+    """The chunk size when every chunk but the last has it (None when they differ)."""
+    raws = [r for _s, r in chunks]
+    if any(r % planes for r in raws):
+        raise CorruptCheckpointError(f"{where}: a chunk is not a whole number of {planes}-byte items")
+    if len(raws) > 1 and (any(r != raws[0] for r in raws[:-1]) or raws[-1] > raws[0]):
+        return None
+    return raws[0] if raws else planes
+
+
+def decode_many(spec: CodecSpec, items: Sequence[DecodeItem]) -> None:
+    """Decode every item (one nvCOMP batch for all their chunks); blocks until the outputs are complete.
+
+    Raises CorruptCheckpointError naming the item when a chunk does not decode to its recorded size.
+    """
+    items = [item for item in items if item.out.numel()]
+    if not items:
+        return
+    device = items[0].out.device
+    stream = decode_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # blobs/outputs made on the caller's stream
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        alignment = batch.required_decode_alignment(spec, stream)
+        src_offsets, stored, raw = [], [], []
+        sources = []
+        for item in items:
+            if sum(s for s, _r in item.chunks) != item.blob.numel():
+                raise CorruptCheckpointError(f"{item.where}: chunk sizes do not add up to the blob's size")
+            position = item.blob.data_ptr()
+            for s, r in item.chunks:
+                sources.append((position, s))
+                stored.append(s)
+                raw.append(r)
+                position += s
+        keep: list[torch.Tensor] = []
+        if any(p % alignment for p, _s in sources):
+            # Packed chunks start anywhere; this codec wants aligned inputs: copy them apart.
+            offsets, end = [], 0
+            for _p, s in sources:
+                offsets.append(end)
+                end += (s + 15) // 16 * 16
+            aligned = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
+            keep.append(aligned)
+            targets, pieces = [], []
+            for item in items:
+                flat = item.blob
+                at = 0
+                for s, _r in item.chunks:
+                    pieces.append(flat[at : at + s])
+                    at += s
+            for offset, piece in zip(offsets, pieces, strict=True):
+                targets.append(aligned[offset : offset + piece.numel()])
+            torch._foreach_copy_(targets, pieces)
+            src_span: batch.DeviceSpan = batch.DeviceSpan(aligned.data_ptr(), aligned.numel())
+            src_offsets = offsets
+        else:
+            src_span, base = batch.span_of([item.blob for item in items])
+            src_offsets = [p - base for p, _s in sources]
+        typestr = batch.typestr_for(spec)
+        if spec.planes == 1:
+            dst_span, base = batch.span_of([item.out for item in items], typestr)
+            dst_offsets, planar = [], None
+            for item in items:
+                at = item.out.data_ptr() - base
+                for _s, r in item.chunks:
+                    dst_offsets.append(at)
+                    at += r
+        else:
+            total = sum(item.out.numel() for item in items)
+            planar = torch.empty(total, dtype=torch.uint8, device=device)
+            dst_span = batch.DeviceSpan(planar.data_ptr(), total, typestr)
+            dst_offsets = []
+            at = 0
+            for item in items:
+                for _s, r in item.chunks:
+                    dst_offsets.append(at)
+                    at += r
+        try:
+            batch.decode(spec, src_span, src_offsets, stored, dst_span, dst_offsets, raw, stream)
+        except CorruptCheckpointError as exc:
+            names = ", ".join(item.where for item in items[:3])
+            raise CorruptCheckpointError(f"{names}{' ...' if len(items) > 3 else ''}: {exc}") from exc
+        if planar is not None:
+            at = 0
+            for item in items:
+                n = item.out.numel()
+                _join(planar[at : at + n], item, spec.planes)
+                at += n
+        stream.synchronize()
+        del keep
+
+
+def _join(planar: torch.Tensor, item: DecodeItem, planes: int) -> None:
+    chunk = _regular_chunk(item.chunks, planes, item.where)
+    if chunk is not None:
+        join_into(planar, item.out, chunk, planes)
+        return
+    at = 0
+    for _s, r in item.chunks:  # irregular chunking (another writer's): one chunk at a time
+        join_into(planar[at : at + r], item.out[at : at + r], r, planes)
+        at += r
+
+
+class NvcompDecoder:
+    """The :class:`~asyncckpt.codecs.Decoder` of one nvCOMP codec name, for host or device buffers."""
+
+    def __init__(self, codec: str) -> None:
+        self.codec = codec
+
+    def decode(self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any],
+               out: torch.Tensor) -> None:  # fmt: skip
+        spec = spec_from_manifest(self.codec, params, "nvCOMP blob")
+        device = out.device if out.is_cuda else (blob.device if blob.is_cuda else torch.device("cuda"))
+        target = out if out.is_cuda else torch.empty(out.numel(), dtype=torch.uint8, device=device)
+        decode_many(spec, [DecodeItem(blob.to(device), chunks, target, "blob")])
+        if target is not out:
+            out.copy_(target)
+
+
+def register() -> bool:
+    """Make every nvCOMP codec name decodable through :mod:`asyncckpt.codecs` (GPU-only ones
+    included). Returns False, changing nothing, when the GPU path is not usable here."""
+    from ..codecs import register_decoder
+    from .deps import gpu_path_available
+
+    if not gpu_path_available():
+        return False
+    for name in ALGORITHMS:
+        if name in ("zstd", "lz4", "deflate"):
+            continue  # the CPU decoders read these standard formats without a GPU round trip
+        register_decoder(name, lambda name=name: NvcompDecoder(name))  # type: ignore[misc]
+    return True

@@ -1,0 +1,146 @@
+"""Restore to the GPU: KvikIO reads into device memory, mix64 verified on the device, nvCOMP decodes.
+
+Tensors land on their CUDA device without passing through host memory. The data file is
+read in windows of consecutive blobs (about ``window_bytes`` each), the next window's read
+running while the current one is verified and decoded, so a restore runs at the speed of the
+storage. Records of one codec spec in a window decode in one batched nvCOMP call.
+
+Everything read is hostile input until checked: blobs must lie inside their file (checked
+before any read), checksums are verified before decoding, and every chunk must decode to
+exactly its recorded size. ``crc32`` blobs (written by the CPU path) are verified on the host,
+the only case where stored bytes cross to host memory.
+
+Runs on the calling thread (plus KvikIO's pool and a decode stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import checksum
+from ..dtypes import dtype_from_name
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..loader import _data_file
+from ..manifest import Manifest, TensorRecord
+from .checksum import mix64_device
+from .decoders import DecodeItem, decode_many
+from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
+from .storage import KvikioBlobReader, configure_threads
+
+DEFAULT_WINDOW_BYTES = 1 << 30
+
+
+def destination(record: TensorRecord, target: torch.device | None, where: str) -> torch.device:
+    try:
+        device = target if target is not None else torch.device(record.device)
+    except RuntimeError as exc:
+        raise CorruptCheckpointError(f"{where}: invalid device {record.device!r}") from exc
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise CheckpointError(f"{where}: saved from {device}, but this machine has {torch.cuda.device_count()} "
+                                  "CUDA device(s); pass map_location='cuda:0' (or 'cpu')")  # fmt: skip
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise CheckpointError(f"{where}: cannot place a tensor on {device}")
+    return device
+
+
+def decode_on_device(checkpoint: Path, manifest: Manifest, target: torch.device | None,
+                     window_bytes: int = DEFAULT_WINDOW_BYTES, io_threads: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """Every tensor of ``manifest``, in table order, on its destination device."""
+    configure_threads(io_threads)
+    records = manifest.tensors
+    wheres = [f"{checkpoint}: tensor {r.key!r} in {r.file}" for r in records]
+    places = [destination(r, target, w) for r, w in zip(records, wheres, strict=True)]
+    read_device = next((d for d in places if d.type == "cuda"), torch.device("cuda", torch.cuda.current_device()))
+    out: list[torch.Tensor | None] = [None] * len(records)
+    by_file: dict[str, list[int]] = {}
+    for i, record in enumerate(records):
+        by_file.setdefault(record.file, []).append(i)
+    for name, indices in by_file.items():
+        path, size = _data_file(checkpoint, name)
+        for i in indices:
+            if records[i].offset + records[i].stored_bytes > size:
+                raise CorruptCheckpointError(
+                    f"{wheres[i]}: blob at offset {records[i].offset} of {records[i].stored_bytes} bytes extends past "
+                    f"the end of the file ({size} bytes); the file is truncated"
+                )
+        reader = KvikioBlobReader(path, read_device)
+        try:
+            windows = _windows(records, indices, window_bytes)
+            pending = _start(reader, records, windows[0]) if windows else None
+            for k in range(len(windows)):
+                current = pending
+                pending = _start(reader, records, windows[k + 1]) if k + 1 < len(windows) else None
+                assert current is not None
+                buffer, future, base, span = current
+                reader.finish(future, base, span)
+                _decode_window(buffer, base, [(i, records[i], wheres[i]) for i in windows[k]], out, read_device)
+        finally:
+            reader.close()
+    placed = []
+    for i, tensor in enumerate(out):
+        assert tensor is not None
+        placed.append(tensor if tensor.device == places[i] else tensor.to(places[i]))
+    return placed
+
+
+def _windows(records: Sequence[TensorRecord], indices: list[int], window_bytes: int) -> list[list[int]]:
+    ordered = sorted(indices, key=lambda i: records[i].offset)
+    windows: list[list[int]] = []
+    start = None
+    for i in ordered:
+        r = records[i]
+        if start is None or r.offset + r.stored_bytes - start > window_bytes:
+            windows.append([])
+            start = r.offset
+        windows[-1].append(i)
+    return windows
+
+
+def _start(reader: KvikioBlobReader, records: Sequence[TensorRecord],
+           window: list[int]) -> tuple[torch.Tensor, object, int, int]:  # fmt: skip
+    base = records[window[0]].offset
+    span = max(records[i].offset + records[i].stored_bytes for i in window) - base
+    buffer, future = reader.read_async(base, span)
+    return buffer, future, base, span
+
+
+def _decode_window(buffer: torch.Tensor, base: int, items: list[tuple[int, TensorRecord, str]],
+                   out: list[torch.Tensor | None], device: torch.device) -> None:  # fmt: skip
+    by_spec: dict[CodecSpec, list[DecodeItem]] = {}
+    for i, record, where in items:
+        dtype = dtype_from_name(record.dtype, where)
+        blob = buffer[record.offset - base : record.offset - base + record.stored_bytes]
+        _verify(blob, record, where)
+        raw = torch.empty(record.raw_bytes, dtype=torch.uint8, device=device)
+        out[i] = raw.view(dtype).view(record.shape) if record.raw_bytes else torch.empty(record.shape, dtype=dtype,
+                                                                                        device=device)  # fmt: skip
+        if record.codec == "none":
+            if record.stored_bytes != record.raw_bytes:
+                raise CorruptCheckpointError(f"{where}: stored {record.stored_bytes} bytes for a raw size of "
+                                             f"{record.raw_bytes}")  # fmt: skip
+            raw.copy_(blob)
+            continue
+        if record.codec not in ALGORITHMS:
+            raise CorruptCheckpointError(f"{where}: unknown codec {record.codec!r}")
+        spec = spec_from_manifest(record.codec, record.codec_params, where)
+        chunks = [(s, r) for s, r in record.chunks]
+        by_spec.setdefault(spec, []).append(DecodeItem(blob, chunks, raw, where))
+    for spec, decode_items in by_spec.items():
+        decode_many(spec, decode_items)
+    torch.cuda.current_stream(device).synchronize()  # the `none` copies above ran on the caller's stream
+
+
+def _verify(blob: torch.Tensor, record: TensorRecord, where: str) -> None:
+    algorithm = checksum.check_algorithm(record.checksum.algorithm, where)
+    actual = mix64_device(blob) if algorithm == "mix64" else checksum.compute(algorithm, blob.cpu())
+    if actual != record.checksum.value:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch ({algorithm} stored {record.checksum.value}, computed {actual}); "
+            "the file is corrupt. Load an earlier checkpoint with step=..."
+        )

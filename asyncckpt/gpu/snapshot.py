@@ -1,0 +1,152 @@
+"""The snapshot of a GPU save, and the channel its compressed blobs flow through.
+
+A :class:`GpuSnapshot` is staged on the training thread (:mod:`asyncckpt.gpu.staging`),
+compressed on the compressor thread (:mod:`asyncckpt.gpu.pipeline`), and written and released
+by the checkpoint worker thread. :class:`BlobChannel` carries the compressed groups from the
+compressor to the worker, in tensor order, and applies backpressure: outside ``fence`` mode the
+compressor stops once ``window_bytes`` of compressed output wait to be written, so GPU memory
+stays bounded whatever the size of the state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codecs import EncodedBlob
+from ..snapshot import Snapshot, StagedTensor
+from .fence import FenceGate
+
+Group = list[tuple[int, EncodedBlob]]
+"""Blobs of consecutive tensors: (index in the snapshot, blob)."""
+
+
+class BlobChannel:
+    """Compressed groups from one producer (the compressor) to one consumer (the worker)."""
+
+    def __init__(self, window_bytes: int | None) -> None:
+        self.window_bytes = window_bytes
+        """Queued bytes beyond which put() waits; None: never wait (fence mode)."""
+        self._cond = threading.Condition()
+        self._groups: deque[tuple[Group, int]] = deque()
+        self._queued_bytes = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self.cancelled = False
+        self.finished = threading.Event()
+        """Set once the producer no longer touches the snapshot's memory."""
+
+    # producer
+    def put(self, group: Group, nbytes: int) -> bool:
+        """Queue a group; waits for room. Returns False (dropping it) if the consumer cancelled."""
+        with self._cond:
+            while (not self.cancelled and self.window_bytes is not None and self._queued_bytes
+                   and self._queued_bytes + nbytes > self.window_bytes):  # fmt: skip
+                self._cond.wait()
+            if self.cancelled:
+                return False
+            self._groups.append((group, nbytes))
+            self._queued_bytes += nbytes
+            self._cond.notify_all()
+            return True
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            self._error = error
+            self._cond.notify_all()
+        self.finished.set()
+
+    # consumer
+    def groups(self) -> Iterator[Group]:
+        """Yield groups in order until the producer closes; raises the producer's error."""
+        while True:
+            with self._cond:
+                while not self._groups and not self._closed:
+                    self._cond.wait()
+                if self._groups:
+                    group, nbytes = self._groups.popleft()
+                    self._queued_bytes -= nbytes
+                    self._cond.notify_all()
+                elif self._error is not None:
+                    raise self._error
+                else:
+                    return
+            yield group
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
+            self._groups.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+
+
+@dataclass
+class GpuSnapshot:
+    """A snapshot whose CUDA tensors sit in the device arena (``device``), stay live (``fence``)
+    or were copied to pinned memory (``host``); CPU tensors are always in host staging."""
+
+    tensors: list[StagedTensor]
+    staging_bytes: int
+    mode: str
+    device: torch.device
+    ready: torch.cuda.Event | None
+    """Recorded on the caller's stream after the snapshot copies (or at save() for fence)."""
+    host_part: Snapshot | None
+    channel: BlobChannel
+    gate: FenceGate | None = None
+    copy_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    owned: list[torch.Tensor] = field(default_factory=list)
+    """Copies made at stage time (non-contiguous and tiny tensors in fence mode)."""
+    on_release: Callable[[], None] | None = None
+    _released: bool = False
+
+    @property
+    def stable(self) -> bool:
+        """False in fence mode: ``tensors[i].data`` is live memory that training will overwrite."""
+        return self.mode != "fence"
+
+    def wait_ready(self) -> None:
+        # The compressor orders its reads after `ready` on the GPU; the worker itself reads the
+        # staged bytes only for tensors stored raw, so it waits here, never the training thread.
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.host_part is not None:
+            self.host_part.wait_ready()
+
+    def when_staged(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the caller may mutate the state (fence: after the GPU read it)."""
+        if self.gate is None:
+            callback()
+        else:
+            self.gate.when_staged(callback)
+
+    def gpu_busy_seconds(self) -> float:
+        seconds = 0.0
+        if self.copy_timing is not None:
+            began, ended = self.copy_timing
+            ended.synchronize()
+            seconds += began.elapsed_time(ended) / 1e3
+        if self.gate is not None:
+            seconds += self.gate.gpu_wait_seconds()
+        return seconds
+
+    def release(self) -> None:
+        """Stop compression (if still running), wait until it no longer reads, free the staging. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.channel.cancel()
+        self.channel.finished.wait()
+        if self.gate is not None:
+            self.gate.fail()  # no-op when already open; never leave a training step waiting
+        if self.host_part is not None:
+            self.host_part.release()
+        self.owned.clear()
+        if self.on_release is not None:
+            self.on_release()

@@ -1,0 +1,195 @@
+"""The parts of the GPU path that run without a GPU: missing-package errors, CPU decoders for the
+standard formats nvCOMP writes (RAW lz4 blocks, raw DEFLATE), plane layout, device checksum
+arithmetic, codec specs, and the convert command on the CPU path."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_python, small_training_state
+
+import asyncckpt
+from asyncckpt.checksum import mix64_host
+from asyncckpt.cli import main as cli
+from asyncckpt.codecs import get_decoder, planes
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.gpu.checksum import _mix_words
+from asyncckpt.gpu.planes import join_into, split_into
+from asyncckpt.gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
+from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt.state_compare import clone_state, first_difference
+
+_BLOCK_GPU_PACKAGES = """
+import sys
+sys.modules["nvidia.nvcomp"] = None   # an import of these now raises ImportError, installed or not
+sys.modules["kvikio"] = None
+import torch, asyncckpt
+for codec in ("ans", "bitcomp"):
+    try:
+        asyncckpt.AsyncCheckpointer(sys.argv[1], codec=codec)
+    except asyncckpt.CheckpointError as exc:  # MissingDependencyError here; without CUDA it would say so
+        print("ERROR:", type(exc).__name__, exc)
+    else:
+        print("NO ERROR")
+"""
+
+
+def test_import_works_and_gpu_codecs_name_the_pip_line_without_gpu_packages(tmp_path: Path) -> None:
+    out = run_python(_BLOCK_GPU_PACKAGES, str(tmp_path / "run")).stdout
+    assert "NO ERROR" not in out and out.count("ERROR: MissingDependencyError") == 2
+    assert out.count('pip install "asyncckpt[cu12]"') == 2 and out.count('pip install "asyncckpt[cu13]"') == 2
+
+
+def _sample_floats(n: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(n, generator=gen) * 0.02).to(dtype)
+
+
+def _raw_chunks(
+    raw: np.ndarray, chunk: int, planes_count: int, compress: object
+) -> tuple[bytes, list[tuple[int, int]]]:
+    blob, chunks = b"", []
+    for start in range(0, raw.size, chunk):
+        piece = planes.split(raw[start : start + chunk], planes_count)
+        frame = compress(piece.tobytes())  # type: ignore[operator]
+        blob += frame
+        chunks.append((len(frame), piece.size))
+    return blob, chunks
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    deflater = zlib.compressobj(6, zlib.DEFLATED, -15)
+    return deflater.compress(data) + deflater.flush()
+
+
+def _lz4_block(data: bytes) -> bytes:
+    import lz4.block
+
+    return bytes(lz4.block.compress(data, store_size=False))
+
+
+@pytest.mark.parametrize("codec", ["lz4", "deflate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_cpu_decoders_read_raw_chunks_with_planes(codec: str, dtype: torch.dtype) -> None:
+    if codec == "lz4":
+        pytest.importorskip("lz4")
+    tensor = _sample_floats(70_000, dtype) if dtype.is_floating_point else torch.arange(70_000, dtype=dtype)
+    raw = tensor.view(torch.uint8).numpy()
+    planes_count = spec_for(codec, dtype).planes
+    blob, chunks = _raw_chunks(raw, 65536, planes_count, _lz4_block if codec == "lz4" else _raw_deflate)
+    out = torch.empty(raw.size, dtype=torch.uint8)
+    get_decoder(codec, "test").decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks,
+                                      {"planes": planes_count}, out)  # fmt: skip
+    assert torch.equal(out.view(dtype), tensor)
+
+
+@pytest.mark.parametrize("codec", ["lz4", "deflate"])
+def test_cpu_decoders_reject_corrupt_and_missized_chunks(codec: str) -> None:
+    if codec == "lz4":
+        pytest.importorskip("lz4")
+    raw = _sample_floats(20_000, torch.float32).view(torch.uint8).numpy()
+    blob, chunks = _raw_chunks(raw, 1 << 20, 4, _lz4_block if codec == "lz4" else _raw_deflate)
+    decoder = get_decoder(codec, "test")
+    out = torch.empty(raw.size, dtype=torch.uint8)
+    truncated = bytearray(blob[: chunks[0][0] - 16])  # a chunk cut short never decodes to its raw size
+    with pytest.raises(CorruptCheckpointError):
+        decoder.decode(torch.frombuffer(truncated, dtype=torch.uint8), [(len(truncated), chunks[0][1])],
+                       {"planes": 4}, out)  # fmt: skip
+    with pytest.raises(CorruptCheckpointError):  # the manifest claims a larger raw size than the chunk holds
+        decoder.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), [(chunks[0][0], chunks[0][1] + 4)],
+                       {"planes": 4}, torch.empty(raw.size + 4, dtype=torch.uint8))  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match="planes"):
+        decoder.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks, {"planes": 3}, out)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096, 123_457])
+def test_device_checksum_arithmetic_matches_the_host_definition(size: int) -> None:
+    # The GPU kernels are these int64 tensor ops; on the CPU they must give mix64_host's value.
+    gen = torch.Generator().manual_seed(size)
+    buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    padded = torch.cat([buf, torch.zeros(-size % 8, dtype=torch.uint8)])
+    total = int(_mix_words(padded.view(torch.int64), 0)) if size else 0
+    assert f"{(total & (2**64 - 1)) ^ size:016x}" == mix64_host(buf.numpy())
+
+
+@pytest.mark.parametrize("planes_count", [2, 4, 8])
+def test_device_plane_layout_is_the_cpu_layout_per_chunk(planes_count: int) -> None:
+    gen = torch.Generator().manual_seed(planes_count)
+    raw = torch.randint(0, 256, (4096 * 3 + 1024 + 8 * 5,), dtype=torch.uint8, generator=gen)
+    split = torch.empty_like(raw)
+    split_into(raw, split, 4096, planes_count)
+    expected = np.concatenate(
+        [planes.split(raw.numpy()[s : s + 4096], planes_count) for s in range(0, raw.numel(), 4096)]
+    )
+    assert np.array_equal(split.numpy(), expected)
+    back = torch.empty_like(raw)
+    join_into(split, back, 4096, planes_count)
+    assert torch.equal(back, raw)
+
+
+def test_specs_follow_the_documented_choices() -> None:
+    assert spec_for("ans", torch.bfloat16) == CodecSpec("ans", "<f2")
+    assert spec_for("ans", torch.float32) == CodecSpec("ans", "<f4")
+    assert spec_for("ans", torch.int64) == CodecSpec("ans", "|u1")
+    assert spec_for("zstd", torch.float32).planes == 4 and spec_for("zstd", torch.int32).planes == 1
+    assert spec_for("bitcomp", torch.float16) == CodecSpec("bitcomp", "<f2")
+    assert CodecSpec("ans", "|u1", 4) in auto_candidates(torch.float32)
+    for params in ({"planes": 3}, {"planes": "4"}, {"planes": 1, "data_type": "<f3"}, {"planes": 1, "data_type": 5}):
+        with pytest.raises(CorruptCheckpointError):
+            spec_from_manifest("ans", params, "test")
+    with pytest.raises(CorruptCheckpointError):
+        spec_from_manifest("snappy", {}, "test")
+
+
+def _forge_codec(checkpoint: Path, codec: str) -> None:
+    path = checkpoint / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    for record in doc["tensors"]:
+        record["codec"] = codec
+    path.write_text(json.dumps(doc))
+
+
+def test_a_gpu_only_codec_fails_on_a_cpu_machine_with_an_error_that_says_so(run_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine can decode GPU codecs")
+    _model, _opt, state = small_training_state()
+    with asyncckpt.AsyncCheckpointer(run_dir, codec="none") as ckpt:
+        ckpt.save(1, state)
+    _forge_codec(run_dir / "step-0000000001", "ans")
+    with pytest.raises(asyncckpt.CheckpointError, match=r"(?s)needs a CUDA GPU.*asyncckpt\[cu12\].*convert"):
+        asyncckpt.load(run_dir)
+
+
+def test_convert_reencodes_on_the_cpu_and_exports_safetensors(tmp_path: Path, run_dir: Path) -> None:
+    _model, _opt, state = small_training_state()
+    reference = clone_state(state)
+    with asyncckpt.AsyncCheckpointer(run_dir, codec="none") as ckpt:
+        ckpt.save(7, state, metadata={"note": "x"})
+    out = tmp_path / "converted"
+    assert cli(["convert", str(run_dir), str(out), "--codec", "zstd"]) == 0
+    converted = asyncckpt.load(out)
+    assert first_difference(reference, converted) is None
+    manifest = json.loads((out / "step-0000000007" / MANIFEST_NAME).read_text())
+    assert {t["codec"] for t in manifest["tensors"]} <= {"zstd", "none"} and manifest["metadata"] == {"note": "x"}
+    assert asyncckpt.verify(out).tensors == len(manifest["tensors"])
+
+    target = tmp_path / "state.safetensors"
+    assert cli(["convert", str(out), str(target), "--to", "safetensors"]) == 0
+    raw = target.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    assert json.loads(header["__metadata__"]["asyncckpt_structure"]) == manifest["structure"]
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    loaded = safetensors_torch.load_file(str(target))
+    for record in manifest["tensors"]:
+        key = record["key"]
+        node = reference
+        for part in key.split("/"):
+            node = node[int(part)] if isinstance(node, list) else node[part if part in node else int(part)]
+        assert torch.equal(loaded[key], node), key
