@@ -484,6 +484,12 @@ class AsyncCkptStager(AsyncStager):
 
     def __init__(self, *, snapshot: str = "auto", max_inflight: int = 1, staging_timeout_seconds: float = 600.0,
                  observer: SaveObserver | None = None, registry: Any = None, **options: Any) -> None:  # fmt: skip
+        if snapshot == "fence":
+            raise CheckpointError(
+                "AsyncCkptStager cannot fence: DCP hands the staged state dict to its own save thread, which would "
+                "read the live tensors while training mutates them. Use snapshot='device' (GPU arena) or 'host'"
+            )
+        # The stager only stages: its backend's encoder is never used for the data (the writer's is).
         self.options = resolve_options(snapshot=snapshot, max_inflight=max_inflight, codec="none", **options)
         self._backend = build_backend(self.options)
         self.observer = observer if observer is not None else (
