@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(150)
 
 JOB = "asyncckpt-e2e"
 RANKS = 2
-STEPS, SAVE_EVERY = 24, 4
+STEPS, SAVE_EVERY = 12, 2
 SAVES = STEPS // SAVE_EVERY
 DASHBOARD = REPO / "grafana" / "dashboards" / "asyncckpt.json"
 # What Grafana would put in place of the dashboard's variables for this run.
