@@ -8,6 +8,7 @@ distributed checkpoint and returns ``{rank: state}`` for all ranks (handy to con
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from ..errors import CorruptCheckpointError
 from ..layout import resolve_checkpoint
 from ..loader import MapLocation, load_tensors
 from ..manifest import read_manifest
+from ..observer import notify_load_finished
 from ..tree import unflatten
 from .protocol import rank_part
 
@@ -34,6 +36,7 @@ def load_rank(directory_or_checkpoint: str | os.PathLike[str], rank: int | None 
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    began = time.perf_counter()
     path = resolve_checkpoint(directory_or_checkpoint, step)
     manifest = read_manifest(path)
     part, skeleton, first = rank_part(manifest, rank, str(path))
@@ -44,4 +47,6 @@ def load_rank(directory_or_checkpoint: str | os.PathLike[str], rank: int | None 
             raise CorruptCheckpointError(f"{path}: rank {rank}'s structure refers to tensor {index}, outside its part")
         return tensors[index - first]
 
-    return unflatten(skeleton, tensor_at, f"{path} (rank {rank})")
+    state = unflatten(skeleton, tensor_at, f"{path} (rank {rank})")
+    notify_load_finished(time.perf_counter() - began)  # the asyncckpt_load_seconds metric, as for load()
+    return state

@@ -51,7 +51,7 @@ def full(state):  # every DTensor gathered to a plain CPU tensor: the reference 
     if isinstance(state, list):
         return [full(v) for v in state]
     if hasattr(state, "full_tensor"):
-        return state.full_tensor().cpu()
+        return state.full_tensor().cpu().clone()  # clone: on one rank full_tensor() may alias the parameter
     return state.detach().cpu().clone() if isinstance(state, torch.Tensor) else state
 
 model, optimizer = build()
