@@ -51,9 +51,12 @@ class WorkloadConfig:
     lr: float = 3e-4
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device with an explicit index: ``torch.cuda.mem_get_info`` and ``set_device`` reject a bare "cuda"."""
+        name = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def resolved_heads(self) -> int:
         return self.heads or max(1, self.width // 128)

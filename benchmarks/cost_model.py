@@ -193,8 +193,10 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
     device = measured.pop("_device", None)
     warnings = []
     if device == "cpu":
-        warnings.append(f"the stall inputs were measured on a CPU-only machine ({stall.name if stall else '?'}): "
-                        "staging throughputs there are host memcpy rates, not GPU ones")  # fmt: skip
+        warnings.append(f"the stall inputs come from a CPU-only run ({stall.name if stall else '?'}): its staging "
+                        "rates are host memory copies and its slowdowns come from compression threads sharing the "
+                        "training's CPU cores, so these rows do not describe GPUs; measure on a GPU "
+                        "(benchmarks/run_h200.sh) or pass the inputs as flags")  # fmt: skip
     values: dict[str, float] = {}
     flags = {"weights_ratio": args.weights_ratio, "moments_ratio": args.moments_ratio, "grads_ratio": args.grads_ratio,
              "dcp_zstd_ratio": args.dcp_zstd_ratio,
@@ -242,6 +244,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"### Checkpointing cost per month — {report['saves_per_month']:.0f} saves/month, "
         f"{c}{report['gpu_hour_price']:.2f} per GPU-hour",
         "",
+        *[f"**Warning:** {w}.\n" for w in report["warnings"]],
         f"Inputs: asyncckpt ratios {i['weights_ratio']:.3f}x BF16 weights, {i['moments_ratio']:.3f}x Adam moments, "
         f"{i['grads_ratio']:.3f}x BF16 gradients; per GPU, training blocked at "
         f"{i['dcp_stage_bytes_per_second'] / GB:.3g} GB/s of shard by dcp.async_save and "
@@ -264,7 +267,6 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {c}{sync['cost_per_month']:,.0f} | {c}{dcp['cost_per_month']:,.0f} | {c}{ours['cost_per_month']:,.2f} |"
         )  # fmt: skip
     lines += ["", "Sources: " + "; ".join(f"{k} ← {v}" for k, v in report["inputs"]["sources"].items()) + "."]
-    lines += [f"\n**Warning:** {w}." for w in report["warnings"]]
     return "\n".join(lines) + "\n"
 
 
