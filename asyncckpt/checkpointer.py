@@ -75,7 +75,7 @@ class AsyncCheckpointer:
         self._worker.start()
         # Finish in-flight saves at interpreter exit instead of losing them with the daemon thread.
         self._atexit = _close_at_exit(weakref.ref(self))
-        atexit.register(self._atexit)
+        _register_exit_hook(self._atexit)
 
     # ------------------------------------------------------------------ training thread
     def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -153,7 +153,7 @@ class AsyncCheckpointer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._atexit)
+        atexit.unregister(self._atexit)  # no-op when the hook went to threading's exit hooks
         self._jobs.put(_STOP)
         self._worker.join()
         self._backend.close()
@@ -235,6 +235,25 @@ class AsyncCheckpointer:
                      result.stored_bytes, result.durable_seconds)  # fmt: skip
             self._observer.save_finished(result, inflight)
             handle._finish(result)
+
+
+def _register_exit_hook(hook: Any) -> None:
+    """Run ``hook`` at interpreter exit *before* thread pools refuse new work.
+
+    ``concurrent.futures`` shuts its pools down from ``threading``'s exit hooks, which run before
+    ``atexit`` handlers, so a save finished from a plain ``atexit`` handler would fail with "cannot
+    schedule new futures after interpreter shutdown". ``threading._register_atexit`` hooks run in
+    reverse registration order, and ours is registered after ``concurrent.futures`` was imported,
+    so it runs first. ``atexit`` stays as the fallback for Pythons without the private hook.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(hook)
+        return
+    try:
+        register(hook)
+    except RuntimeError:  # already shutting down
+        atexit.register(hook)
 
 
 def _close_at_exit(ref: weakref.ReferenceType[AsyncCheckpointer]) -> Any:
