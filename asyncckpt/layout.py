@@ -135,7 +135,9 @@ def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
     old = None
     if final_dir.exists():
         if not replace:
-            raise CheckpointError(f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it")
+            raise CheckpointError(
+                f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it"
+            )
         old = final_dir.with_name(f".deleting-{final_dir.name}-{uuid.uuid4().hex[:8]}")
         os.rename(final_dir, old)
     os.rename(tmp_dir, final_dir)
