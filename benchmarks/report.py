@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,10 @@ def blocks() -> dict[str, str]:
     }
 
 
+def _fill(body: str, match: re.Match[str]) -> str:
+    return match.group(1) + body + match.group(2)
+
+
 def refresh(doc: Path = DOC) -> list[str]:
     """Rewrite every generated block of ``doc``; returns the names of the blocks it found."""
     text = doc.read_text()
@@ -137,7 +142,7 @@ def refresh(doc: Path = DOC) -> list[str]:
     for name, body in blocks().items():
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(\n<!-- END {re.escape(name)} -->)", re.S)
         if pattern.search(text):
-            text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+            text = pattern.sub(partial(_fill, body), text)
             found.append(name)
     write_atomically(doc, text)
     return found

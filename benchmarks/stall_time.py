@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import shlex
 import shutil
 import sys
@@ -140,6 +141,7 @@ class MethodRun:
         self.unavailable: str | None = None
         self.error: str | None = None
         self.opened = False
+        self.stuck = False
         self.held_gpu_bytes = 0
         self.held_host_bytes = 0
 
@@ -162,6 +164,7 @@ class Runner:
         self.rounds_done = 0
         self.notes: list[str] = []
         self.state_bytes = tensor_bytes(workload.state())
+        self.deadline = float("inf")
 
     # -------------------------------------------------------------- one sample
     def baseline_sample(self, run: MethodRun, round_no: int) -> None:
@@ -192,6 +195,9 @@ class Runner:
         steps: list[float] = []
         persisting: list[float] = []
         while len(steps) < self.args.min_steps_after or not pending.done():
+            if time.perf_counter() > self.deadline:
+                run.stuck = True  # its save is still in flight: closing it would wait for it
+                raise TimeoutError(f"not durable after {time.perf_counter() - call:.0f} s, at the end of the budget")
             was_pending = not pending.done()
             steps.append(self.workload.step())
             if was_pending and len(steps) > 1:  # the first step is reported on its own (fence waits land there)
@@ -233,7 +239,9 @@ class Runner:
         return guess
 
     def measure(self, budget_seconds: float, on_progress: Any) -> None:
+        """Run the rounds; methods stay open (call :meth:`close` after writing the results)."""
         began = time.perf_counter()
+        self.deadline = began + budget_seconds
         for round_no in range(1, self.args.rounds + 1):
             ran_any = False
             for run in self.runs:
@@ -247,6 +255,8 @@ class Runner:
                 if not run.opened and not self._open(run):
                     on_progress()
                     continue
+                # A save or step stuck for minutes leaves its threads' stacks in the log.
+                faulthandler.dump_traceback_later(max(120.0, 3 * guess), exit=False)
                 try:
                     if run.method is None:
                         self.baseline_sample(run, round_no)
@@ -259,18 +269,26 @@ class Runner:
                 except Exception as exc:  # noqa: BLE001 - one method's failure is a result, not the end of the run
                     run.error = f"{type(exc).__name__}: {exc}"
                     self.progress.say(f"round {round_no}: {run.name} FAILED: {run.error}")
-                    self._close(run)
+                    if not run.stuck:
+                        self._close(run)
                     with contextlib.suppress(Exception):
                         release_memory(self.device)
                 else:
                     ran_any = True
                     self.progress.say(f"round {round_no}: {run.name}: {line}")
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
                 on_progress()
             self.rounds_done = round_no
             if not ran_any:
                 break
+
+    def close(self) -> None:
+        """Close every method but one whose save is stuck in flight (closing it would wait for that save)."""
         for run in self.runs:
-            self._close(run)
+            if not run.stuck:
+                self._close(run)
+        self.sampler.close()
 
     def _open(self, run: MethodRun) -> bool:
         run.opened = True
@@ -527,22 +545,25 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
 
     try:
         runner.measure(budget, save_partial)
+        data = report()
+        write_json(args.out / f"{name}.json", data)
+        text = markdown(data)
+        write_atomically(args.out / f"{name}.md", text)
+        if not args.no_chart:
+            from .chart import stall_chart
+
+            stall_chart(data, args.out / f"{name}.png")
+        print(text)
     finally:
-        runner.sampler.close()
+        # Closing can wait for a slow save, and can fail: the results are on disk first.
+        runner.close()
         if created_pg:
             import torch.distributed as dist
 
             dist.destroy_process_group()
             remove(process_group_store(scratch))
-    data = report()
-    write_json(args.out / f"{name}.json", data)
-    text = markdown(data)
-    write_atomically(args.out / f"{name}.md", text)
-    if not args.no_chart:
-        from .chart import stall_chart
-
-        stall_chart(data, args.out / f"{name}.png")
-    print(text)
+    if any(r.error and r.error.startswith("on close") for r in runner.runs):
+        save_partial()
     progress.say(f"done in {time.perf_counter() - started:.0f} s: {args.out / name}.json/.md"
                  f"{'' if args.no_chart else '/.png'}")  # fmt: skip
     return 0

@@ -7,6 +7,7 @@ cost model's arithmetic is checked against figures worked out by hand.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,8 @@ def test_stall_time_writes_json_markdown_and_chart(stall_run: tuple[Path, subpro
     assert baseline["summary"]["step_seconds_median"] > 0
     # A method this machine cannot run is a row with the reason, not a crash.
     device = next(m for m in report["methods"] if m["name"] == "asyncckpt:device:auto")
-    assert not device["available"] and "CUDA" in device["unavailable"]
+    assert not device["available"]
+    assert device["unavailable"].split(":")[0] in ("CheckpointError", "MissingDependencyError")
     # Every checkpoint was deleted after it was measured, and the scratch directory left empty.
     assert list((out / "scratch").iterdir()) == []
 
@@ -77,7 +79,7 @@ def test_stall_time_markdown_on_stdout(stall_run: tuple[Path, subprocess.Complet
     assert "| method | blocked per save, median (p95) |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + 7  # header + every method but the baseline
-    assert "unavailable: CheckpointError" in markdown
+    assert re.search(r"\| asyncckpt device snapshot, auto codec \| unavailable: \w+Error: ", markdown)
     assert "round 1: torch.save: blocked" in proc.stderr  # progress goes to stderr
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
