@@ -31,6 +31,7 @@ def _decompress(stream: bytes, raw: int) -> bytes:
 class DeflateDecoder:
     """Decoder for ``"deflate"`` blobs written by the GPU path."""
 
-    def decode(self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any],
-               out: torch.Tensor) -> None:  # fmt: skip
+    def decode(
+        self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any], out: torch.Tensor
+    ) -> None:
         decode_chunks("deflate", _decompress, blob, chunks, params, out)

@@ -30,6 +30,7 @@ def _decompress(frame: bytes, raw: int) -> bytes:
 class Lz4Decoder:
     """Decoder for ``"lz4"`` blobs written by the GPU path."""
 
-    def decode(self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any],
-               out: torch.Tensor) -> None:  # fmt: skip
+    def decode(
+        self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any], out: torch.Tensor
+    ) -> None:
         decode_chunks("lz4", _decompress, blob, chunks, params, out)

@@ -23,8 +23,14 @@ ChunkDecoder = Callable[[bytes, int], bytes]
 CorruptCheckpointError if it does not decode."""
 
 
-def decode_chunks(codec: str, decompress: ChunkDecoder, blob: torch.Tensor, chunks: list[tuple[int, int]],
-                  params: Mapping[str, Any], out: torch.Tensor) -> None:  # fmt: skip
+def decode_chunks(
+    codec: str,
+    decompress: ChunkDecoder,
+    blob: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    params: Mapping[str, Any],
+    out: torch.Tensor,
+) -> None:
     planes = params.get("planes", 1)
     if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
         raise CorruptCheckpointError(f"{codec}: invalid planes parameter {planes!r}")
@@ -41,5 +47,7 @@ def decode_chunks(codec: str, decompress: ChunkDecoder, blob: torch.Tensor, chun
         byte_planes.join(np.frombuffer(plain, dtype=np.uint8), planes, dst[raw_at : raw_at + raw])
         stored_at, raw_at = stored_at + stored, raw_at + raw
     if stored_at != src.size or raw_at != dst.size:
-        raise CorruptCheckpointError(f"{codec}: chunk sizes do not add up to the blob ({stored_at} of {src.size} "
-                                     f"stored, {raw_at} of {dst.size} raw bytes)")  # fmt: skip
+        raise CorruptCheckpointError(
+            f"{codec}: chunk sizes do not add up to the blob ({stored_at} of {src.size} "
+            f"stored, {raw_at} of {dst.size} raw bytes)"
+        )

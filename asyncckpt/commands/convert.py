@@ -33,20 +33,37 @@ from ..storage import PosixStorage, Storage
 from ..tree import flatten
 
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16", "uint32": "U32", "uint64": "U64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("convert", help="re-encode a checkpoint (e.g. ANS -> zstd for CPU readers) or export "
-                                            "it to safetensors")  # fmt: skip
+    parser = sub.add_parser(
+        "convert", help="re-encode a checkpoint (e.g. ANS -> zstd for CPU readers) or export it to safetensors"
+    )
     parser.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
     parser.add_argument("out", help="run directory for the new checkpoint, or the .safetensors file to write")
     parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--codec", default="zstd", choices=CODEC_NAMES,
-                        help="codec of the new checkpoint (default zstd: readable everywhere)")  # fmt: skip
+    parser.add_argument(
+        "--codec",
+        default="zstd",
+        choices=CODEC_NAMES,
+        help="codec of the new checkpoint (default zstd: readable everywhere)",
+    )
     parser.add_argument("--to", default="asyncckpt", choices=("asyncckpt", "safetensors"), help="output format")
     parser.set_defaults(func=run)
 
@@ -63,9 +80,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         tensors = _tensors(source, manifest, device)
         began = time.perf_counter()
-        job = SaveJob(step=manifest.step, structure=manifest.structure, snapshot=_Decoded(manifest, tensors),
-                      metadata=manifest.metadata, created_unix=manifest.created_unix, started=began,
-                      stall_seconds=0.0, snapshot_seconds=0.0, snapshot_mode="convert")  # fmt: skip
+        job = SaveJob(
+            step=manifest.step,
+            structure=manifest.structure,
+            snapshot=_Decoded(manifest, tensors),
+            metadata=manifest.metadata,
+            created_unix=manifest.created_unix,
+            started=began,
+            stall_seconds=0.0,
+            snapshot_seconds=0.0,
+            snapshot_mode="convert",
+        )
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = persist(job, out, encoder, storage, keep_last=None)
@@ -73,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         close = getattr(encoder, "close", None)
         if close is not None:
             close()
-    print(f"wrote {result.path}: {len(tensors)} tensors, {result.raw_bytes} bytes raw, {result.stored_bytes} stored "
-          f"({result.ratio:.3f}x; {', '.join(f'{k}: {v}' for k, v in sorted(result.codecs.items()))})")  # fmt: skip
+    print(
+        f"wrote {result.path}: {len(tensors)} tensors, {result.raw_bytes} bytes raw, {result.stored_bytes} stored "
+        f"({result.ratio:.3f}x; {', '.join(f'{k}: {v}' for k, v in sorted(result.codecs.items()))})"
+    )
     return 0
 
 
@@ -137,10 +164,14 @@ def write_safetensors(path: Path, manifest: Manifest, tensors: list[torch.Tensor
     The non-tensor structure, step and metadata go into ``__metadata__`` as JSON strings, so
     nothing of the checkpoint is lost; safetensors itself stores each tensor once.
     """
-    header: dict[str, Any] = {"__metadata__": {
-        "format": "asyncckpt", "step": str(manifest.step), "asyncckpt_structure": json.dumps(manifest.structure),
-        "asyncckpt_metadata": json.dumps(manifest.metadata),
-    }}  # fmt: skip
+    header: dict[str, Any] = {
+        "__metadata__": {
+            "format": "asyncckpt",
+            "step": str(manifest.step),
+            "asyncckpt_structure": json.dumps(manifest.structure),
+            "asyncckpt_metadata": json.dumps(manifest.metadata),
+        }
+    }
     offset = 0
     for record, t in zip(manifest.tensors, tensors, strict=True):
         kind = SAFETENSORS_DTYPES.get(dtype_name(t.dtype) or "")

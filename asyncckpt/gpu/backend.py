@@ -30,16 +30,31 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         )
     storage = KvikioStorage(device, options.io_threads)
     encoder = GpuEncoder(options.codec, device)
-    stager = GpuStager(mode=options.snapshot, device=device, slots=options.max_inflight, submit=encoder.submit,
-                       window_bytes=DEFAULT_WINDOW_BYTES, gpu_budget_bytes=options.gpu_staging_budget_bytes,
-                       host_budget_bytes=options.host_staging_budget_bytes, register=storage.register,
-                       deregister=storage.deregister)  # fmt: skip
+    stager = GpuStager(
+        mode=options.snapshot,
+        device=device,
+        slots=options.max_inflight,
+        submit=encoder.submit,
+        window_bytes=DEFAULT_WINDOW_BYTES,
+        gpu_budget_bytes=options.gpu_staging_budget_bytes,
+        host_budget_bytes=options.host_staging_budget_bytes,
+        register=storage.register,
+        deregister=storage.deregister,
+    )
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot)
     encoder.on_stats = lambda stats: stager.saw_ratio(stats.raw_bytes, stats.stored_bytes)
     stager.on_mode = lambda mode: setattr(backend, "snapshot_mode", mode)  # auto resolves per save
-    log.info("asyncckpt: GPU path on %s (%s): nvCOMP %s, KvikIO %s, %s I/O with %d threads, codec=%s, snapshot=%s",
-             device, _device_name(device), nv.__version__, kv.__version__, storage.io_mode, storage.threads,
-             options.codec, options.snapshot)  # fmt: skip
+    log.info(
+        "asyncckpt: GPU path on %s (%s): nvCOMP %s, KvikIO %s, %s I/O with %d threads, codec=%s, snapshot=%s",
+        device,
+        _device_name(device),
+        nv.__version__,
+        kv.__version__,
+        storage.io_mode,
+        storage.threads,
+        options.codec,
+        options.snapshot,
+    )
     return backend
 
 

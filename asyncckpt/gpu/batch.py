@@ -48,8 +48,14 @@ class DeviceSpan:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self._elements,), "typestr": self.typestr, "data": (self.ptr, False), "version": 3,
-                "strides": None, "stream": None}  # fmt: skip
+        return {
+            "shape": (self._elements,),
+            "typestr": self.typestr,
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def span_of(tensors: Sequence[torch.Tensor], typestr: str = "|u1") -> tuple[DeviceSpan, int]:
@@ -70,9 +76,14 @@ def codec_for(spec: CodecSpec, stream: torch.cuda.Stream, chunk_bytes: int) -> A
     key = (spec, stream.cuda_stream, chunk_bytes)
     if key not in cache:
         nv = nvcomp()
-        cache[key] = nv.Codec(algorithm=spec.algorithm, device_id=stream.device.index, cuda_stream=stream.cuda_stream,
-                              bitstream_kind=nv.BitstreamKind.RAW, uncomp_chunk_size=chunk_bytes,
-                              **spec.nvcomp_options())  # fmt: skip
+        cache[key] = nv.Codec(
+            algorithm=spec.algorithm,
+            device_id=stream.device.index,
+            cuda_stream=stream.cuda_stream,
+            bitstream_kind=nv.BitstreamKind.RAW,
+            uncomp_chunk_size=chunk_bytes,
+            **spec.nvcomp_options(),
+        )
     return cache[key]
 
 
@@ -139,8 +150,16 @@ class PendingEncode:
         return self.out[self.out_offsets[i] : self.out_offsets[i] + self._sizes[i]]
 
 
-def encode(spec: CodecSpec, span: DeviceSpan, offsets: list[int], raw_sizes: list[int], stream: torch.cuda.Stream,
-           chunk_bytes: int, keep_alive: list[Any], timed: bool = True) -> PendingEncode:  # fmt: skip
+def encode(
+    spec: CodecSpec,
+    span: DeviceSpan,
+    offsets: list[int],
+    raw_sizes: list[int],
+    stream: torch.cuda.Stream,
+    chunk_bytes: int,
+    keep_alive: list[Any],
+    timed: bool = True,
+) -> PendingEncode:
     """Enqueue one batched encode of the chunks ``span[offsets[i] : offsets[i] + raw_sizes[i]]``.
 
     Runs on the calling thread; all GPU work goes on ``stream``; nothing here waits for the GPU.
@@ -159,17 +178,34 @@ def encode(spec: CodecSpec, span: DeviceSpan, offsets: list[int], raw_sizes: lis
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record(stream)
         sources = nv.as_arrays(span, offsets, raw_sizes, cuda_stream=stream.cuda_stream)
-        outputs = nv.as_arrays(DeviceSpan(out.data_ptr(), out.numel()), out_offsets, bounds,
-                               cuda_stream=stream.cuda_stream)  # fmt: skip
+        outputs = nv.as_arrays(
+            DeviceSpan(out.data_ptr(), out.numel()), out_offsets, bounds, cuda_stream=stream.cuda_stream
+        )
         result = codec.encode(sources, out=outputs)
         if ended is not None:
             ended.record(stream)
-    return PendingEncode(spec=spec, raw_sizes=list(raw_sizes), out=out, out_offsets=out_offsets, result=result,
-                         keep_alive=[*keep_alive, sources, outputs, span], began=began, ended=ended)  # fmt: skip
+    return PendingEncode(
+        spec=spec,
+        raw_sizes=list(raw_sizes),
+        out=out,
+        out_offsets=out_offsets,
+        result=result,
+        keep_alive=[*keep_alive, sources, outputs, span],
+        began=began,
+        ended=ended,
+    )
 
 
-def decode(spec: CodecSpec, src: DeviceSpan, src_offsets: list[int], stored: list[int], dst: DeviceSpan,
-           dst_offsets: list[int], raw: list[int], stream: torch.cuda.Stream) -> None:  # fmt: skip
+def decode(
+    spec: CodecSpec,
+    src: DeviceSpan,
+    src_offsets: list[int],
+    stored: list[int],
+    dst: DeviceSpan,
+    dst_offsets: list[int],
+    raw: list[int],
+    stream: torch.cuda.Stream,
+) -> None:
     """Decode a batch of chunks into ``dst`` and check every decoded size; blocks until done.
 
     Raises CorruptCheckpointError when a chunk does not decode or decodes to another size.
@@ -179,8 +215,9 @@ def decode(spec: CodecSpec, src: DeviceSpan, src_offsets: list[int], stored: lis
     nv = nvcomp()
     largest = max(raw)
     if largest > MAX_CHUNK_BYTES[spec.codec]:
-        raise CorruptCheckpointError(f"a {spec.codec} chunk of {largest} raw bytes exceeds nvCOMP's limit "
-                                     f"of {MAX_CHUNK_BYTES[spec.codec]}")  # fmt: skip
+        raise CorruptCheckpointError(
+            f"a {spec.codec} chunk of {largest} raw bytes exceeds nvCOMP's limit of {MAX_CHUNK_BYTES[spec.codec]}"
+        )
     chunk_bytes = 65536
     while chunk_bytes < largest:
         chunk_bytes *= 2

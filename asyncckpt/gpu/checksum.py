@@ -56,8 +56,9 @@ def mix64_device(buf: torch.Tensor) -> str:
     Blocks the calling thread until the value is known; see the module docstring for streams.
     """
     if buf.device.type != "cuda" or buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise ValueError(f"mix64_device takes a 1-D uint8 CUDA tensor, got {buf.dtype} {tuple(buf.shape)} "
-                         f"on {buf.device}")  # fmt: skip
+        raise ValueError(
+            f"mix64_device takes a 1-D uint8 CUDA tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+        )
     size = buf.numel()
     if size == 0:
         return f"{0:016x}"

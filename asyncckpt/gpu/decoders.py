@@ -155,8 +155,9 @@ class NvcompDecoder:
     def __init__(self, codec: str) -> None:
         self.codec = codec
 
-    def decode(self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any],
-               out: torch.Tensor) -> None:  # fmt: skip
+    def decode(
+        self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any], out: torch.Tensor
+    ) -> None:
         spec = spec_from_manifest(self.codec, params, "nvCOMP blob")
         device = out.device if out.is_cuda else (blob.device if blob.is_cuda else torch.device("cuda"))
         target = out if out.is_cuda else torch.empty(out.numel(), dtype=torch.uint8, device=device)

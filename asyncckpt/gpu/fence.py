@@ -27,6 +27,7 @@ import torch
 _pending: list[FenceGate] = []
 _lock = threading.Lock()
 _hook: Any = None
+_host_wait_seconds_total = 0.0
 
 
 class FenceGate:
@@ -71,9 +72,12 @@ class FenceGate:
 
     # training thread
     def hold_current_stream(self) -> None:
+        global _host_wait_seconds_total
         began = time.perf_counter()
         self._opened.wait()
-        self.host_wait_seconds += time.perf_counter() - began
+        waited = time.perf_counter() - began
+        self.host_wait_seconds += waited
+        _host_wait_seconds_total += waited  # one training thread holds fences: no lock needed
         if self.done is None:
             return
         stream = torch.cuda.current_stream(self.device)
@@ -115,3 +119,8 @@ def hold_all() -> None:
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _pending:  # unlocked peek: the common no-fence step costs one list check
         hold_all()
+
+
+def host_wait_seconds_total() -> float:
+    """Host seconds training threads of this process have spent waiting for fences to open."""
+    return _host_wait_seconds_total

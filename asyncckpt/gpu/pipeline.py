@@ -152,8 +152,9 @@ class GpuEncoder:
 
     def encode(self, raw: torch.Tensor, dtype: torch.dtype, key: str) -> EncodedBlob:
         """Encode one tensor's bytes (host or device) on the calling thread; blocks until done."""
-        staged = StagedTensor(key=key, dtype=dtype, shape=(raw.numel() // max(1, dtype.itemsize),),
-                              device=raw.device, data=raw)  # fmt: skip
+        staged = StagedTensor(
+            key=key, dtype=dtype, shape=(raw.numel() // max(1, dtype.itemsize),), device=raw.device, data=raw
+        )
         (blob,) = list(self._encode_inline([staged]))
         return blob
 
@@ -211,19 +212,22 @@ class GpuEncoder:
                 self.stream.synchronize()  # nothing may still read the snapshot once `finished` is set
             finally:
                 stats.wall_seconds = time.perf_counter() - began
+                self.history.append(stats)  # before close(): the save may commit as soon as the channel ends
                 channel.close(error)
-        self.history.append(stats)
         if error is None and self.on_stats is not None:
             self.on_stats(stats)
 
     # ------------------------------------------------------------ any compressing thread
     def _encode_inline(self, tensors: list[StagedTensor]) -> Iterator[EncodedBlob]:
         stats = CompressStats(mode="inline", tensors=len(tensors))
+        began = time.perf_counter()
         for group in self._plan(tensors):
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 blobs, _nbytes = self._resolve(self._enqueue(group), stats)
             for _index, blob in blobs:
                 yield blob
+        stats.wall_seconds = time.perf_counter() - began
+        self.history.append(stats)
 
     def _plan(self, tensors: Sequence[StagedTensor]) -> list[list[tuple[int, StagedTensor]]]:
         groups: list[list[tuple[int, StagedTensor]]] = [[]]
@@ -332,10 +336,17 @@ class GpuEncoder:
         blobs: Group = []
         for (index, staged), option, (start, end) in zip(work.items, chosen, spans, strict=True):
             sizes = option.pending.sizes()
-            blobs.append((index, EncodedBlob(
-                data=packed[start:end], codec=option.spec.codec, params=option.spec.params(),
-                chunks=[(sizes[i], option.pending.raw_sizes[i]) for i in range(option.first, option.end)],
-            )))  # fmt: skip
+            blobs.append(
+                (
+                    index,
+                    EncodedBlob(
+                        data=packed[start:end],
+                        codec=option.spec.codec,
+                        params=option.spec.params(),
+                        chunks=[(sizes[i], option.pending.raw_sizes[i]) for i in range(option.first, option.end)],
+                    ),
+                )
+            )
             stats.specs[str(option.spec)] += 1
             stats.raw_bytes += staged.data.numel()
             stats.stored_bytes += end - start

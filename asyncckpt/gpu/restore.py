@@ -41,16 +41,23 @@ def destination(record: TensorRecord, target: torch.device | None, where: str) -
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise CheckpointError(f"{where}: saved from {device}, but this machine has {torch.cuda.device_count()} "
-                                  "CUDA device(s); pass map_location='cuda:0' (or 'cpu')")  # fmt: skip
+            raise CheckpointError(
+                f"{where}: saved from {device}, but this machine has {torch.cuda.device_count()} "
+                "CUDA device(s); pass map_location='cuda:0' (or 'cpu')"
+            )
         return torch.device("cuda", index)
     if device.type != "cpu":
         raise CheckpointError(f"{where}: cannot place a tensor on {device}")
     return device
 
 
-def decode_on_device(checkpoint: Path, manifest: Manifest, target: torch.device | None,
-                     window_bytes: int = DEFAULT_WINDOW_BYTES, io_threads: int = 0) -> list[torch.Tensor]:  # fmt: skip
+def decode_on_device(
+    checkpoint: Path,
+    manifest: Manifest,
+    target: torch.device | None,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    io_threads: int = 0,
+) -> list[torch.Tensor]:
     """Every tensor of ``manifest``, in table order, on its destination device."""
     configure_threads(io_threads)
     records = manifest.tensors
@@ -102,28 +109,38 @@ def _windows(records: Sequence[TensorRecord], indices: list[int], window_bytes: 
     return windows
 
 
-def _start(reader: KvikioBlobReader, records: Sequence[TensorRecord],
-           window: list[int]) -> tuple[torch.Tensor, object, int, int]:  # fmt: skip
+def _start(
+    reader: KvikioBlobReader, records: Sequence[TensorRecord], window: list[int]
+) -> tuple[torch.Tensor, object, int, int]:
     base = records[window[0]].offset
     span = max(records[i].offset + records[i].stored_bytes for i in window) - base
     buffer, future = reader.read_async(base, span)
     return buffer, future, base, span
 
 
-def _decode_window(buffer: torch.Tensor, base: int, items: list[tuple[int, TensorRecord, str]],
-                   out: list[torch.Tensor | None], device: torch.device) -> None:  # fmt: skip
+def _decode_window(
+    buffer: torch.Tensor,
+    base: int,
+    items: list[tuple[int, TensorRecord, str]],
+    out: list[torch.Tensor | None],
+    device: torch.device,
+) -> None:
     by_spec: dict[CodecSpec, list[DecodeItem]] = {}
     for i, record, where in items:
         dtype = dtype_from_name(record.dtype, where)
         blob = buffer[record.offset - base : record.offset - base + record.stored_bytes]
         _verify(blob, record, where)
         raw = torch.empty(record.raw_bytes, dtype=torch.uint8, device=device)
-        out[i] = raw.view(dtype).view(record.shape) if record.raw_bytes else torch.empty(record.shape, dtype=dtype,
-                                                                                        device=device)  # fmt: skip
+        out[i] = (
+            raw.view(dtype).view(record.shape)
+            if record.raw_bytes
+            else torch.empty(record.shape, dtype=dtype, device=device)
+        )
         if record.codec == "none":
             if record.stored_bytes != record.raw_bytes:
-                raise CorruptCheckpointError(f"{where}: stored {record.stored_bytes} bytes for a raw size of "
-                                             f"{record.raw_bytes}")  # fmt: skip
+                raise CorruptCheckpointError(
+                    f"{where}: stored {record.stored_bytes} bytes for a raw size of {record.raw_bytes}"
+                )
             raw.copy_(blob)
             continue
         if record.codec not in ALGORITHMS:

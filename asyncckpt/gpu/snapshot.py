@@ -44,8 +44,12 @@ class BlobChannel:
     def put(self, group: Group, nbytes: int) -> bool:
         """Queue a group; waits for room. Returns False (dropping it) if the consumer cancelled."""
         with self._cond:
-            while (not self.cancelled and self.window_bytes is not None and self._queued_bytes
-                   and self._queued_bytes + nbytes > self.window_bytes):  # fmt: skip
+            while (
+                not self.cancelled
+                and self.window_bytes is not None
+                and self._queued_bytes
+                and self._queued_bytes + nbytes > self.window_bytes
+            ):
                 self._cond.wait()
             if self.cancelled:
                 return False

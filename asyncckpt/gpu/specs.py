@@ -20,12 +20,26 @@ import torch
 from ..dtypes import FLOATING_NAMES, dtype_name
 from ..errors import CorruptCheckpointError
 
-ALGORITHMS = {"ans": "ANS", "zstd": "Zstd", "lz4": "LZ4", "deflate": "Deflate", "gdeflate": "GDeflate",
-              "bitcomp": "Bitcomp", "cascaded": "Cascaded"}  # fmt: skip
+ALGORITHMS = {
+    "ans": "ANS",
+    "zstd": "Zstd",
+    "lz4": "LZ4",
+    "deflate": "Deflate",
+    "gdeflate": "GDeflate",
+    "bitcomp": "Bitcomp",
+    "cascaded": "Cascaded",
+}
 """Manifest codec name -> nvCOMP algorithm name."""
 
-MAX_CHUNK_BYTES = {"ans": 16 << 20, "zstd": 16 << 20, "lz4": 16 << 20, "deflate": 64 << 10, "gdeflate": 64 << 10,
-                   "bitcomp": 16 << 20, "cascaded": 16 << 20}  # fmt: skip
+MAX_CHUNK_BYTES = {
+    "ans": 16 << 20,
+    "zstd": 16 << 20,
+    "lz4": 16 << 20,
+    "deflate": 64 << 10,
+    "gdeflate": 64 << 10,
+    "bitcomp": 16 << 20,
+    "cascaded": 16 << 20,
+}
 """nvCOMP's limit on one RAW chunk's uncompressed size, per algorithm (a RAW buffer is one chunk)."""
 
 PLANED_CODECS = frozenset({"zstd", "lz4", "deflate", "gdeflate"})
@@ -95,8 +109,9 @@ def spec_for(codec: str, dtype: torch.dtype) -> CodecSpec:
         return CodecSpec("bitcomp", _int_type(size, dtype.is_signed) if size in (1, 2, 4, 8) else "|u1")
     if codec == "cascaded":
         # Cascaded works on integers: floats are coded as unsigned words of their width.
-        return CodecSpec("cascaded", _int_type(size, dtype.is_signed and not floating) if size in (1, 2, 4, 8)
-                         else "|u1")  # fmt: skip
+        return CodecSpec(
+            "cascaded", _int_type(size, dtype.is_signed and not floating) if size in (1, 2, 4, 8) else "|u1"
+        )
     if codec in PLANED_CODECS:
         return CodecSpec(codec, "", size if floating and size in (2, 4, 8, 16) else 1)
     raise ValueError(f"{codec!r} is not an nvCOMP codec (known: {', '.join(sorted(ALGORITHMS))})")

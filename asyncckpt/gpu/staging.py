@@ -57,8 +57,13 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
 class DeviceArena:
     """GPU staging slots, one per in-flight save, each reused for every save that fits it."""
 
-    def __init__(self, slots: int, device: torch.device, register: Callable[[torch.Tensor], None] | None,
-                 deregister: Callable[[torch.Tensor], None] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        slots: int,
+        device: torch.device,
+        register: Callable[[torch.Tensor], None] | None,
+        deregister: Callable[[torch.Tensor], None] | None,
+    ) -> None:
         self.device = device
         self._register, self._deregister = register, deregister
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -124,10 +129,18 @@ class DeviceArena:
 class GpuStager:
     """Stages CUDA tensors per the snapshot mode; hands every snapshot to the compressor at once."""
 
-    def __init__(self, mode: str, device: torch.device, slots: int, submit: Callable[[GpuSnapshot], None],
-                 window_bytes: int, gpu_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 register: Callable[[torch.Tensor], None] | None = None,
-                 deregister: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mode: str,
+        device: torch.device,
+        slots: int,
+        submit: Callable[[GpuSnapshot], None],
+        window_bytes: int,
+        gpu_budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
+        register: Callable[[torch.Tensor], None] | None = None,
+        deregister: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         if mode not in ("auto", "device", "fence", "host"):
             raise ValueError(f"snapshot mode must be auto, device, fence or host; got {mode!r}")
         self.mode = mode
@@ -159,9 +172,15 @@ class GpuStager:
             host_index = [i for i in range(len(leaves)) if i not in device_set]
             for i, item in zip(host_index, host_part.tensors, strict=True):
                 staged[i] = item
-        snapshot = GpuSnapshot(tensors=[], staging_bytes=host_part.staging_bytes if host_part else 0, mode=mode,
-                               device=self.device, ready=None, host_part=host_part,
-                               channel=BlobChannel(None if mode == "fence" else self.window_bytes))  # fmt: skip
+        snapshot = GpuSnapshot(
+            tensors=[],
+            staging_bytes=host_part.staging_bytes if host_part else 0,
+            mode=mode,
+            device=self.device,
+            ready=None,
+            host_part=host_part,
+            channel=BlobChannel(None if mode == "fence" else self.window_bytes),
+        )
         try:
             if mode == "device":
                 self._copy_to_arena(leaves, on_device, staged, snapshot)
@@ -200,8 +219,13 @@ class GpuStager:
                 "(argument or ASYNCCKPT_GPU_STAGING_BUDGET_BYTES), or use snapshot='fence' or 'host'"
             )
 
-    def _copy_to_arena(self, leaves: Sequence[TensorLeaf], on_device: list[int], staged: list[StagedTensor | None],
-                       snapshot: GpuSnapshot) -> None:  # fmt: skip
+    def _copy_to_arena(
+        self,
+        leaves: Sequence[TensorLeaf],
+        on_device: list[int],
+        staged: list[StagedTensor | None],
+        snapshot: GpuSnapshot,
+    ) -> None:
         sources = [leaves[i].tensor for i in on_device]
         slot, typed, raw = self.arena.acquire(sources)
         snapshot.on_release = lambda: self.arena.release(slot)
@@ -216,8 +240,13 @@ class GpuStager:
         for i, data in zip(on_device, raw, strict=True):
             staged[i] = _staged(leaves[i], data)
 
-    def _fence(self, leaves: Sequence[TensorLeaf], on_device: list[int], staged: list[StagedTensor | None],
-               snapshot: GpuSnapshot) -> None:  # fmt: skip
+    def _fence(
+        self,
+        leaves: Sequence[TensorLeaf],
+        on_device: list[int],
+        staged: list[StagedTensor | None],
+        snapshot: GpuSnapshot,
+    ) -> None:
         for i in on_device:
             t = leaves[i].tensor
             if not t.is_contiguous() or nbytes_of(t) < TINY_BYTES:

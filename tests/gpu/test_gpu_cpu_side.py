@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_python, small_training_state
+from gpu_env import subprocess_env
 
 import asyncckpt
 from asyncckpt.checksum import mix64_host
@@ -41,7 +42,7 @@ for codec in ("ans", "bitcomp"):
 
 
 def test_import_works_and_gpu_codecs_name_the_pip_line_without_gpu_packages(tmp_path: Path) -> None:
-    out = run_python(_BLOCK_GPU_PACKAGES, str(tmp_path / "run")).stdout
+    out = run_python(_BLOCK_GPU_PACKAGES, str(tmp_path / "run"), env=subprocess_env()).stdout
     assert "NO ERROR" not in out and out.count("ERROR: MissingDependencyError") == 2
     assert out.count('pip install "asyncckpt[cu12]"') == 2 and out.count('pip install "asyncckpt[cu13]"') == 2
 
@@ -84,8 +85,9 @@ def test_cpu_decoders_read_raw_chunks_with_planes(codec: str, dtype: torch.dtype
     planes_count = spec_for(codec, dtype).planes
     blob, chunks = _raw_chunks(raw, 65536, planes_count, _lz4_block if codec == "lz4" else _raw_deflate)
     out = torch.empty(raw.size, dtype=torch.uint8)
-    get_decoder(codec, "test").decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks,
-                                      {"planes": planes_count}, out)  # fmt: skip
+    get_decoder(codec, "test").decode(
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks, {"planes": planes_count}, out
+    )
     assert torch.equal(out.view(dtype), tensor)
 
 
@@ -99,11 +101,16 @@ def test_cpu_decoders_reject_corrupt_and_missized_chunks(codec: str) -> None:
     out = torch.empty(raw.size, dtype=torch.uint8)
     truncated = bytearray(blob[: chunks[0][0] - 16])  # a chunk cut short never decodes to its raw size
     with pytest.raises(CorruptCheckpointError):
-        decoder.decode(torch.frombuffer(truncated, dtype=torch.uint8), [(len(truncated), chunks[0][1])],
-                       {"planes": 4}, out)  # fmt: skip
+        decoder.decode(
+            torch.frombuffer(truncated, dtype=torch.uint8), [(len(truncated), chunks[0][1])], {"planes": 4}, out
+        )
     with pytest.raises(CorruptCheckpointError):  # the manifest claims a larger raw size than the chunk holds
-        decoder.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), [(chunks[0][0], chunks[0][1] + 4)],
-                       {"planes": 4}, torch.empty(raw.size + 4, dtype=torch.uint8))  # fmt: skip
+        decoder.decode(
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+            [(chunks[0][0], chunks[0][1] + 4)],
+            {"planes": 4},
+            torch.empty(raw.size + 4, dtype=torch.uint8),
+        )
     with pytest.raises(CorruptCheckpointError, match="planes"):
         decoder.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks, {"planes": 3}, out)
 

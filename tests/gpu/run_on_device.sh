@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU tests, then the GPU pipeline benchmark, in one call on the lent H200 (../shared/gpu/README.md).
+# Run from the repository root with .whl/ carried (../shared/gpu/fetch-wheels.sh pytest-timeout==2.3.1 fills it):
+#   bash tests/gpu/run_on_device.sh [pytest selection...]
+# Environment: OUT (results folder, default gpu-out), BENCH=full|tiny|none, BENCH_ARGS, TEST_TIMEOUT, BENCH_TIMEOUT.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; df -h .; nproc; } > "$out/machine.txt" 2>&1
+selection=("$@")
+[ ${#selection[@]} -gt 0 ] || selection=(tests/gpu)
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs "${selection[@]}" 2>&1 | tee "$out/gpu-tests.log"
+case "${BENCH:-full}" in
+  none) ;;
+  tiny) timeout "${BENCH_TIMEOUT:-120}" python3 -m benchmarks.gpu_pipeline --out "$out" --tiny ${BENCH_ARGS:-} 2>&1 | tee "$out/gpu-bench.log" ;;
+  *) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu_pipeline --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/gpu-bench.log" ;;
+esac
