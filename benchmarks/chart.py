@@ -8,6 +8,7 @@ the Agg backend (no display needed), imported only here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,29 +40,37 @@ def stall_chart(report: dict[str, Any], path: Path) -> None:
                              gridspec_kw={"width_ratios": [1.3, 1, 1]})  # fmt: skip
     blocked_ax, durable_ax, bytes_ax = axes
 
-    floor = 1e-5
+    blocked_all = [max(x["blocked_seconds"], 1e-6) for e in entries for x in e["samples"]] or [1e-3]
+    floor = 10 ** math.floor(math.log10(min(blocked_all) / 2))
     for y, e, s, c in zip(ys, entries, summaries, colors, strict=True):
         med = max(s["blocked_seconds_median"] or floor, floor)
-        blocked_ax.barh(y, med, color=c, alpha=0.85, left=floor)
+        blocked_ax.barh(y, med - floor, color=c, alpha=0.85, left=floor)  # a log axis has no zero: start at floor
         for i, sample in enumerate(e["samples"]):
             blocked_ax.plot(max(sample["blocked_seconds"], floor), y, "o", ms=5, mec="black",
                             mfc="none" if i == 0 else "black", mew=0.8)  # fmt: skip
-        blocked_ax.text(med * 1.15, y, _sec(s["blocked_seconds_median"]), va="center", fontsize=8)
+        right = max([med] + [x["blocked_seconds"] for x in e["samples"]])
+        blocked_ax.text(right * 1.4, y, _sec(s["blocked_seconds_median"]), va="center", fontsize=8)
     blocked_ax.set_xscale("log")
+    blocked_ax.set_xlim(floor, max(blocked_all) * 12)
     blocked_ax.set_xlabel("training blocked per save (s, log)")
-    blocked_ax.set_title("Training blocked (bar median, dots every save; hollow = first)", fontsize=9)
+    blocked_ax.set_title("Training blocked (bar: median; dots: every save, hollow = first)", fontsize=9)
 
+    durable_all = [x["durable_seconds"] for e in entries for x in e["samples"]] or [1.0]
     for y, e, s, c in zip(ys, entries, summaries, colors, strict=True):
         durable_ax.barh(y, s["durable_seconds_median"] or 0, color=c, alpha=0.85)
         for sample in e["samples"]:
             durable_ax.plot(sample["durable_seconds"], y, "o", ms=4, color="black")
+        right = max([s["durable_seconds_median"] or 0] + [x["durable_seconds"] for x in e["samples"]])
+        durable_ax.text(right + max(durable_all) * 0.03, y, _sec(s["durable_seconds_median"]), va="center",
+                        fontsize=8)  # fmt: skip
     if storage.get("write_bytes_per_second"):
         disk = raw / storage["write_bytes_per_second"]
-        durable_ax.axvline(disk, ls="--", color="#c0392b", lw=1)
-        durable_ax.text(disk, len(entries) - 0.45, f" raw state at {storage['write_bytes_per_second'] / 1e9:.2g} GB/s",
-                        color="#c0392b", fontsize=8, va="bottom")  # fmt: skip
+        label = f"raw state at the measured {storage['write_bytes_per_second'] / 1e9:.2g} GB/s"
+        durable_ax.axvline(disk, ls="--", color="#c0392b", lw=1, label=label)
+        durable_ax.legend(loc="upper right", fontsize=8)
+    durable_ax.set_xlim(0, max(durable_all) * 1.25)
     durable_ax.set_xlabel("seconds until durable")
-    durable_ax.set_title("Time until the checkpoint is durable", fontsize=9)
+    durable_ax.set_title("Time until the checkpoint is durable (median, every save)", fontsize=9)
 
     unit, scale = ("GB", 1e9) if raw >= 1e9 else ("MB", 1e6)
     for y, s, c in zip(ys, summaries, colors, strict=True):

@@ -382,6 +382,8 @@ def describe_machine(scratch: Path | None = None) -> dict[str, Any]:
         info["gpu_count"] = torch.cuda.device_count()
     if scratch is not None:
         info["scratch_filesystem"] = filesystem_of(scratch)
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
     return info
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import os
 import shlex
 import shutil
 import sys
@@ -393,7 +394,9 @@ def markdown(report: dict[str, Any]) -> str:
         f" ({report['versions'].get('git_commit') or 'no git'}). Model: {model['parameters'] / 1e6:.1f}M-parameter "
         f"TinyGPT trained {model['train_steps']} steps on {model['device']}"
         f"{' in BF16 autocast' if model['device'] == 'cuda' else ''}; state {fmt_bytes(model['state_bytes'])} "
-        f"(FP32 weights, AdamW moments, gradients). Scratch: {m.get('scratch_filesystem', {}).get('type', '?')}.",
+        f"(FP32 weights, AdamW moments, gradients). Scratch: {m.get('scratch_filesystem', {}).get('type', '?')}."
+        + (f" Load average (1/5/15 min) at start {_load(m.get('load_average_at_start'))}, at end "
+           f"{_load(report.get('load_average_at_end'))}." if m.get("load_average_at_start") else ""),
         "",
         f"Limits measured in this run: storage write+fsync {_rate(storage.get('write_bytes_per_second'))}, "
         f"cold-ish read {_rate(storage.get('read_bytes_per_second'))}, host memcpy "
@@ -436,6 +439,10 @@ def markdown(report: dict[str, Any]) -> str:
     for entry in failed:
         lines.append(f"\n{entry['name']} failed: {entry['error'].splitlines()[0][:300]}")
     return "\n".join(lines) + "\n"
+
+
+def _load(values: list[float] | None) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "?"
 
 
 def _baseline(report: dict[str, Any]) -> dict[str, Any]:
@@ -536,7 +543,8 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
                 "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "workload": asdict(config), "model": model, "limits": runner.limits,
                 "rounds": runner.rounds_done, "budget_seconds": budget,
-                "methods": summarize(runner.runs, runner.limits), "notes": runner.notes}  # fmt: skip
+                "methods": summarize(runner.runs, runner.limits), "notes": runner.notes,
+                "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}  # fmt: skip
 
     def save_partial() -> None:
         data = report()
