@@ -91,14 +91,8 @@ dist.destroy_process_group()
 def test_fsdp2_async_save_with_gpu_stager_and_nvcomp_round_trips(tmp_path: Path, codec: str) -> None:
     pytest.importorskip("asyncckpt.gpu.backend")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path), str(tmp_path / "store"), codec],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        cwd=REPO,
-    )
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(tmp_path / "store"), codec],
+                          capture_output=True, text=True, timeout=280, env=env, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     got = json.loads(line[7:])
