@@ -166,7 +166,10 @@ def encode(
     """
     nv = nvcomp()
     codec = codec_for(spec, stream, chunk_bytes)
-    bounds = [_align(max_compressed_bytes(spec, n, codec, span)) for n in raw_sizes]
+    # nvCOMP checks every output against the bound of a full chunk (its configured chunk size),
+    # whatever the size of that chunk's input, so tails get a full chunk's room too.
+    bound = _align(max_compressed_bytes(spec, max(chunk_bytes, *raw_sizes), codec, span))
+    bounds = [bound] * len(raw_sizes)
     out_offsets, total = [], 0
     for bound in bounds:
         out_offsets.append(total)

@@ -36,8 +36,10 @@ def nvcomp() -> Any:
 
 
 def kvikio() -> Any:
-    """The ``kvikio`` module (``kvikio-cu12``/``-cu13``)."""
-    return _load("kvikio", "GPU file I/O (KvikIO)")
+    """The ``kvikio`` module (``kvikio-cu12``/``-cu13``), with ``kvikio.defaults`` loaded."""
+    module = _load("kvikio", "GPU file I/O (KvikIO)")
+    _load("kvikio.defaults", "GPU file I/O (KvikIO)")  # a submodule `import kvikio` does not load
+    return module
 
 
 def require_cuda(what: str) -> torch.device:
