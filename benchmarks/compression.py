@@ -52,6 +52,8 @@ from .common import (
 )
 
 FORMAT_VERSION = 1
+NO_COPY_BYTES_PER_SECOND = 5e12
+"""Faster than any memory can copy: the codec returned a view of its input (``none``), not a throughput."""
 CLASS_DTYPES = {"weights_fp32": torch.float32, "weights_bf16": torch.bfloat16, "exp_avg": torch.float32,
                 "exp_avg_sq": torch.float32, "grads_fp32": torch.float32, "grads_bf16": torch.bfloat16}  # fmt: skip
 _SOURCE = {"weights_fp32": "weights", "weights_bf16": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
@@ -318,7 +320,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['created_utc']}, torch {report['versions']['torch']}. State of a "
              f"{report['model']['parameters'] / 1e6:.3g}M-parameter TinyGPT after {report['model']['train_steps']} "
              f"steps on {report['model']['device']}. Cells: ratio @ compression throughput (GB/s of raw bytes).", "",
-             "| class | dtype | sample | order-0 bound, planes (interleaved) | bits/byte per plane, low→high "
+             "| class | dtype | sample | order-0 limit, planes (interleaved) | bits/byte per plane, low→high "
              "| auto chose | auto ratio |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for cls in names:
@@ -360,8 +362,14 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("error")
             else:
                 rate = r.get("compress_bytes_per_second")
-                cells.append(f"{_ratio(r.get('ratio'))} @ {rate / 1e9:.3g}" if rate else _ratio(r.get("ratio")))
+                if rate and rate > NO_COPY_BYTES_PER_SECOND:
+                    cells.append(f"{_ratio(r.get('ratio'))} (no copy)")
+                else:
+                    cells.append(f"{_ratio(r.get('ratio'))} @ {rate / 1e9:.3g}" if rate else _ratio(r.get("ratio")))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "The order-0 limit is the best ratio of a coder that codes every byte on its own (as ANS does), from "
+              "the entropy of each byte plane; LZ coders such as zstd can pass it by exploiting repeats. "
+              "`none` stores the staged bytes as they are (no copy, hence no throughput)."]  # fmt: skip
     if report.get("library_unavailable"):
         by_error: dict[str, list[str]] = {}
         for codec, why in report["library_unavailable"].items():

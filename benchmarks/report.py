@@ -72,7 +72,7 @@ def headline(path: Path) -> str:
     model = report["model"]
     lines = [
         f"Measured on {machine_label(report['machine'])}, {report['created_utc'][:10]}: a "
-        f"{model['parameters'] / 1e9:.2f}B-parameter transformer, {fmt_bytes(model['state_bytes'])} of state "
+        f"{_params(model['parameters'])}-parameter transformer, {fmt_bytes(model['state_bytes'])} of state "
         f"(FP32 weights, AdamW moments, gradients), trained on real text; local disk "
         f"{(report['limits'].get('storage') or {}).get('write_bytes_per_second', 0) / 1e9:.2g} GB/s.",
         "",
@@ -88,10 +88,17 @@ def headline(path: Path) -> str:
             f"| {fmt_seconds(s['durable_seconds_median'])} | {fmt_bytes(s['stored_bytes'])} "
             f"({s['ratio']:.3f}x) |"
         )
+    if not report["machine"].get("gpu"):
+        lines += ["", "_CPU figures from a shared two-core machine, noisy in absolute terms: compare the methods with "
+                  "each other. GPU figures replace them once a GPU run is committed._"]  # fmt: skip
     chart = path.with_suffix(".png")
     if chart.is_file():
         lines += ["", f"![stall per method]({_relative(chart)})"]
     return "\n".join(lines)
+
+
+def _params(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
 
 
 def result_block(path: Path | None, what: str) -> str:
@@ -132,7 +139,7 @@ def blocks() -> dict[str, str]:
 
 
 def _fill(body: str, match: re.Match[str]) -> str:
-    return match.group(1) + body + match.group(2)
+    return match.group(1) + body.rstrip("\n") + "\n" + match.group(2)
 
 
 def refresh(doc: Path = DOC) -> list[str]:
@@ -140,7 +147,7 @@ def refresh(doc: Path = DOC) -> list[str]:
     text = doc.read_text()
     found = []
     for name, body in blocks().items():
-        pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(\n<!-- END {re.escape(name)} -->)", re.S)
+        pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n)(?:.*?\n)?(<!-- END {re.escape(name)} -->)", re.S)
         if pattern.search(text):
             text = pattern.sub(partial(_fill, body), text)
             found.append(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import cost_model  # noqa: E402
+from benchmarks import cost_model, report  # noqa: E402
 from benchmarks.common import median, p95  # noqa: E402
 
 
@@ -31,14 +32,14 @@ def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[
 def stall_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("stall")
     scratch = out / "scratch"
-    proc = run_module("-m", "benchmarks.stall_time", "--tiny", "--out", str(out), "--name", "tiny",
+    proc = run_module("-m", "benchmarks.stall_time", "--tiny", "--out", str(out), "--name", "stall_time",
                       "--dir", str(scratch), "--methods", "default,asyncckpt:device:auto")  # fmt: skip
     return out, proc
 
 
 def test_stall_time_writes_json_markdown_and_chart(stall_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, _ = stall_run
-    report = json.loads((out / "tiny.json").read_text())
+    report = json.loads((out / "stall_time.json").read_text())
     assert report["benchmark"] == "stall_time" and report["tiny"] is True
     assert report["machine"]["cpu_cores"] >= 1 and report["versions"]["torch"]
     assert report["command"].startswith("python -m benchmarks.stall_time --tiny")
@@ -74,14 +75,37 @@ def test_stall_time_writes_json_markdown_and_chart(stall_run: tuple[Path, subpro
 
 def test_stall_time_markdown_on_stdout(stall_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, proc = stall_run
-    markdown = (out / "tiny.md").read_text()
+    markdown = (out / "stall_time.md").read_text()
     assert markdown.strip() in proc.stdout
     assert "| method | blocked per save, median (p95) |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + 7  # header + every method but the baseline
     assert re.search(r"\| asyncckpt device snapshot, auto codec \| unavailable: \w+Error: ", markdown)
     assert "round 1: torch.save: blocked" in proc.stderr  # progress goes to stderr
-    assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "stall_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_imports_a_run_and_refreshes_the_doc(
+    stall_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    out, _ = stall_run
+    (out / "run.log").write_text("[run_h200 +0s] machine\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    copied = report.import_run(out, results)
+    names = sorted(p.name for p in copied)
+    assert len(names) == 4 and names[0].startswith("run_h200-") and names[0].endswith("-cpu.log")
+    assert {n.rsplit(".", 1)[1] for n in names} == {"log", "json", "md", "png"}
+    assert all(n.split("-")[1].isdigit() for n in names)  # stems carry the UTC date
+    # The committed doc's generated blocks fill from the committed results, and a second pass changes nothing.
+    doc = tmp_path / "benchmarks.md"
+    shutil.copyfile(REPO / "docs" / "benchmarks.md", doc)
+    assert set(report.refresh(doc)) == {"headline", "stall-gpu", "stall-cpu", "compression-gpu", "compression-cpu",
+                                        "cost"}  # fmt: skip
+    first = doc.read_text()
+    report.refresh(doc)
+    assert doc.read_text() == first
+    assert "| way to save | training blocked per save | durable after | bytes stored |" in first
 
 
 def test_compression_tiny(tmp_path: Path) -> None:
@@ -103,7 +127,7 @@ def test_compression_tiny(tmp_path: Path) -> None:
         assert entry["library"]["none"]["ratio"] == pytest.approx(1.0)
         assert set(entry["cpu"]) == {"zstd-1 planes", "zstd-3 planes", "zstd-1 no planes"}
     assert "ans" in report["library_unavailable"]  # GPU-only codecs are listed as unavailable on a CPU machine
-    assert "| asyncckpt `auto` |" in proc.stdout and "order-0 bound" in proc.stdout
+    assert "| asyncckpt `auto` |" in proc.stdout and "order-0 limit" in proc.stdout
 
 
 def _inputs(**overrides: float) -> cost_model.Inputs:
