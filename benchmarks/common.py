@@ -130,8 +130,20 @@ class Workload:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for all work on the device, every stream's (for measuring throughput)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sync_training_stream(device: torch.device) -> None:
+    """Wait for the training thread's current stream only.
+
+    What a save costs training is what it queues on the training stream (a snapshot copy);
+    a checkpointer's own streams (compression) run beside it, and a device-wide synchronize
+    would wrongly charge their work to the save call.
+    """
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def tensor_bytes(state: object) -> int:

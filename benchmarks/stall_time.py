@@ -5,8 +5,8 @@ on real text, the run measures the machine's limits (storage write/read, D2D/D2H
 bandwidth), then goes round after round through the methods (``baseline`` = training with no
 checkpoint), so drift shows in the baseline of every round. Per save it records:
 
-* **blocked**: wall seconds of the save call, with the device synchronised before and after
-  (a copy queued on the stream counts; a fence the next optimizer step waits on does not:
+* **blocked**: wall seconds of the save call, with the training stream synchronised before and
+  after (a copy queued on it counts; a fence the next optimizer step waits on does not:
   that shows as **next step +**, the first step's excess over the baseline step);
 * **durable**: from the save call until the checkpoint is on disk (fsynced, committed);
 * the training steps run while the save persists (after the first), against the baseline step time;
@@ -56,7 +56,7 @@ from .common import (
     release_memory,
     remove,
     result_name,
-    synchronize,
+    sync_training_stream,
     tensor_bytes,
     utc_stamp,
     versions,
@@ -187,10 +187,10 @@ class Runner:
         step = self.workload.steps_done
         state = self.workload.state()
         raw_bytes = tensor_bytes(state)
-        synchronize(self.device)
+        sync_training_stream(self.device)
         call = time.perf_counter()
         pending = method.save(step, state)
-        synchronize(self.device)
+        sync_training_stream(self.device)
         blocked = time.perf_counter() - call
         del state  # the training loop keeps no reference: whatever the method needs, it holds itself
         steps: list[float] = []
@@ -431,10 +431,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt_bytes(s['peak_extra_host_bytes'])} "
             f"| {s['samples']}{' (error)' if entry['error'] else ''} |"
         )  # fmt: skip
-    lines += ["", "*blocked*: the save call, device synchronised before and after; *next step +*: the first training "
-              "step after the save minus the baseline step (fence waits land here); *durable / disk time*: durable "
-              "time over the stored bytes' time at the measured write speed; median and p95 over the saves after "
-              "each method's first; memory over training alone, sampled every 20 ms."]  # fmt: skip
+    lines += ["", "*blocked*: the save call, training stream synchronised before and after; *next step +*: the "
+              "first training step after the save minus the baseline step (fence waits land here); *durable / disk "
+              "time*: durable time over the stored bytes' time at the measured write speed; median and p95 over the "
+              "saves after each method's first; memory over training alone, sampled every 20 ms."]  # fmt: skip
     failed = [e for e in report["methods"] if e["error"]]
     for entry in failed:
         lines.append(f"\n{entry['name']} failed: {entry['error'].splitlines()[0][:300]}")
@@ -558,9 +558,12 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
         text = markdown(data)
         write_atomically(args.out / f"{name}.md", text)
         if not args.no_chart:
-            from .chart import stall_chart
+            try:
+                from .chart import stall_chart
 
-            stall_chart(data, args.out / f"{name}.png")
+                stall_chart(data, args.out / f"{name}.png")
+            except Exception as exc:  # noqa: BLE001 - the JSON and Markdown are written; say why the PNG is not
+                progress.say(f"chart not drawn: {type(exc).__name__}: {exc}")
         print(text)
     finally:
         # Closing can wait for a slow save, and can fail: the results are on disk first.
