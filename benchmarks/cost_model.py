@@ -11,7 +11,8 @@ Storage; and a 405B model on 128 GPUs. Per save and GPU:
   throughput measured by the stall-time benchmark (raw bytes / (blocked seconds + the first
   step's excess over the baseline step, where asyncckpt's fence wait lands)), and then trains
   at the measured slowdown (``persist_step_ratio``, later steps) while the stored bytes drain to
-  storage.
+  storage. asyncckpt is costed at its best GPU mode (``fence``, else ``device``), or at its
+  ``host`` mode where a shard is larger than the GPU memory a job can spare (``--gpu-staging-gb``).
 
 GPU-hours idle per month = GPUs * seconds lost per save * saves per month / 3600. The measured
 inputs (compression ratios per tensor class, staging throughputs, slowdowns) default to the
@@ -61,6 +62,11 @@ class Inputs:
     ours_persist_step_ratio: float
     sources: dict[str, str]
     """Where each measured input came from."""
+    ours_host_stage_bytes_per_second: float | None = None
+    """asyncckpt's blocked-time rate in ``host`` mode, for shards too large to stage on the GPU (None: as above)."""
+    ours_host_persist_step_ratio: float | None = None
+    gpu_staging_bytes: float = 40e9
+    """GPU memory a training job can spare for staging one shard; larger shards are staged in host memory."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ def checkpoint_parts(params: float) -> dict[str, float]:
     return {"weights": 2 * params, "moments": 8 * params, "grads": 2 * params}
 
 
-def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, float]]:
+def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, Any]]:
     """Seconds lost per GPU and bytes written, for one save, per method."""
     parts = checkpoint_parts(s.params)
     raw = sum(parts.values())
@@ -85,21 +91,30 @@ def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, float]]:
     ours_stored = (parts["weights"] / i.weights_ratio + parts["moments"] / i.moments_ratio
                    + parts["grads"] / i.grads_ratio)  # fmt: skip
     bw = s.storage_bytes_per_second
-    out = {SYNC: {"stored_bytes": raw, "blocked_seconds": raw / bw, "slowdown_seconds": 0.0, "persist_seconds": 0.0}}
+    # A shard larger than the GPU can spare is staged in pinned host memory (asyncckpt's snapshot="auto" does so).
+    on_host = shard > i.gpu_staging_bytes and i.ours_host_stage_bytes_per_second is not None
+    ours_rate = i.ours_host_stage_bytes_per_second if on_host else i.ours_stage_bytes_per_second
+    ours_ratio = i.ours_host_persist_step_ratio if on_host else i.ours_persist_step_ratio
+    out: dict[str, dict[str, Any]] = {
+        SYNC: {"stored_bytes": raw, "blocked_seconds": raw / bw, "slowdown_seconds": 0.0, "persist_seconds": 0.0}
+    }
     for name, stored, rate, ratio in (
         (DCP_ASYNC, raw, i.dcp_stage_bytes_per_second, i.dcp_persist_step_ratio),
-        (OURS, ours_stored, i.ours_stage_bytes_per_second, i.ours_persist_step_ratio),
+        (OURS, ours_stored, ours_rate, ours_ratio or 1.0),
     ):
+        assert rate is not None
         persist = stored / bw
         out[name] = {"stored_bytes": stored, "blocked_seconds": shard / rate, "persist_seconds": persist,
                      "slowdown_seconds": max(0.0, ratio - 1.0) * persist}  # fmt: skip
+    out[OURS]["staging"] = "host" if on_host else "gpu"
     for value in out.values():
         value["lost_seconds"] = value["blocked_seconds"] + value["slowdown_seconds"]
     return out
 
 
 def monthly(s: Scenario, i: Inputs, saves_per_month: float, price: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"scenario": asdict(s), "checkpoint_bytes": sum(checkpoint_parts(s.params).values())}
+    total = sum(checkpoint_parts(s.params).values())
+    row: dict[str, Any] = {"scenario": asdict(s), "checkpoint_bytes": total, "shard_bytes": total / s.gpus}
     for name, v in per_save(s, i).items():
         gpu_hours = s.gpus * v["lost_seconds"] * saves_per_month / 3600
         row[name] = {**v, "bytes_per_month": v["stored_bytes"] * saves_per_month, "gpu_hours_per_month": gpu_hours,
@@ -142,6 +157,12 @@ def measured_defaults(stall_path: Path | None, compression_path: Path | None) ->
         zstd = methods.get("dcp.async_save+zstd", {}).get("summary", {})
         if zstd.get("ratio"):
             found["dcp_zstd_ratio"], sources["dcp_zstd_ratio"] = zstd["ratio"], f"{where}: dcp.async_save+zstd"
+        host = methods.get("asyncckpt:host:auto", {}).get("summary", {})
+        if host.get("blocked_seconds_median"):
+            lost = host["blocked_seconds_median"] + max(0.0, host.get("next_step_extra_seconds") or 0.0)
+            found["ours_host_stage_bytes_per_second"] = host["raw_bytes"] / lost
+            found["ours_host_persist_step_ratio"] = host.get("persist_step_ratio") or 1.0
+            sources["ours_host_stage_bytes_per_second"] = f"{where}: asyncckpt:host:auto"
         for name in ASYNCCKPT_PREFERENCE:
             ours = methods.get(name, {}).get("summary", {})
             if ours.get("blocked_seconds_median"):
@@ -177,9 +198,13 @@ def build_parser(prog: str = "python -m benchmarks.cost_model") -> argparse.Argu
                        ("grads-ratio", "BF16 gradients ratio"), ("dcp-zstd-ratio", "DCP zstd ratio"),
                        ("dcp-stage-gbps", "dcp.async_save staging GB/s per GPU"),
                        ("ours-stage-gbps", "asyncckpt blocked-time GB/s per GPU"),
+                       ("ours-host-stage-gbps", "asyncckpt blocked-time GB/s per GPU in host mode"),
                        ("dcp-persist-step-ratio", "DCP async step time while persisting / baseline"),
                        ("ours-persist-step-ratio", "asyncckpt step time while persisting / baseline")):  # fmt: skip
         p.add_argument(f"--{name}", type=float, default=None, help=f"{text} (default: measured)")
+    p.add_argument("--gpu-staging-gb", type=float, default=40.0,
+                   help="GPU memory (GB) a job can spare to stage its shard; larger shards stage in host "
+                        "memory")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="also write <out>/<name>.json and .md")
     p.add_argument("--name", default="cost_model")
     return p
@@ -204,7 +229,14 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
              "ours_stage_bytes_per_second": args.ours_stage_gbps * GB if args.ours_stage_gbps else None,
              "dcp_persist_step_ratio": args.dcp_persist_step_ratio,
              "ours_persist_step_ratio": args.ours_persist_step_ratio}  # fmt: skip
+    optional = {"ours_host_stage_bytes_per_second": args.ours_host_stage_gbps * GB if args.ours_host_stage_gbps
+                else None, "ours_host_persist_step_ratio": None}  # fmt: skip
     missing = []
+    for key, flag in optional.items():
+        if flag is not None:
+            values[key], sources[key] = flag, "flag"
+        elif key in measured:
+            values[key] = measured[key]
     for key, flag in flags.items():
         if flag is not None:
             values[key], sources[key] = flag, "flag"
@@ -217,7 +249,7 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
     if missing:
         raise SystemExit(f"cost_model: no measured value for {', '.join(missing)} in {args.results_dir}; "
                          "run the benchmarks or pass the flags")  # fmt: skip
-    return Inputs(**values, sources=sources), warnings
+    return Inputs(**values, sources=sources, gpu_staging_bytes=args.gpu_staging_gb * GB), warnings
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -251,8 +283,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{i['ours_stage_bytes_per_second'] / GB:.3g} GB/s by asyncckpt; steps while persisting "
         f"{i['dcp_persist_step_ratio']:.2f}x (DCP) and {i['ours_persist_step_ratio']:.2f}x (asyncckpt) the baseline.",
         "",
-        "| model, checkpoint | GPUs | storage | TB written/month: sync & DCP / asyncckpt | GPU-h idle/month: sync "
-        "| DCP async | asyncckpt | cost/month: sync | DCP async | asyncckpt |",
+        "| model, checkpoint | GPUs (shard/GPU) | storage | TB written/month: sync & DCP / asyncckpt "
+        "| GPU-h idle/month: sync | DCP async | asyncckpt | cost/month: sync | DCP async | asyncckpt |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in report["rows"]:
@@ -260,13 +292,20 @@ def markdown(report: dict[str, Any]) -> str:
         storage = f"{s['storage_bytes_per_second'] / GB:.0f} GB/s{' (GDS)' if s['gds'] else ''}"
         sync, dcp, ours = row[SYNC], row[DCP_ASYNC], row[OURS]
         lines.append(
-            f"| {s['label']}, {row['checkpoint_bytes'] / GB:.0f} GB | {s['gpus']} | {storage} "
+            f"| {s['label']}, {row['checkpoint_bytes'] / GB:.0f} GB | {s['gpus']} ({row['shard_bytes'] / GB:.3g} GB) "
+            f"| {storage} "
             f"| {sync['bytes_per_month'] / 1e12:,.0f} / {ours['bytes_per_month'] / 1e12:,.0f} "
             f"| {sync['gpu_hours_per_month']:,.0f} | {dcp['gpu_hours_per_month']:,.1f} "
             f"| {ours['gpu_hours_per_month']:,.2f} "
-            f"| {c}{sync['cost_per_month']:,.0f} | {c}{dcp['cost_per_month']:,.0f} | {c}{ours['cost_per_month']:,.2f} |"
+            f"| {c}{sync['cost_per_month']:,.0f} | {c}{dcp['cost_per_month']:,.0f} | {c}{ours['cost_per_month']:,.2f}"
+            f"{' (host staging)' if ours.get('staging') == 'host' else ''} |"
         )  # fmt: skip
-    lines += ["", "Sources: " + "; ".join(f"{k} ← {v}" for k, v in report["inputs"]["sources"].items()) + "."]
+    sources = "; ".join(f"{k} ← {v}" for k, v in report["inputs"]["sources"].items())
+    limit = f"{i['gpu_staging_bytes'] / GB:.0f} GB"
+    lines += ["", "Staging takes one shard of memory per GPU: `device` mode on the GPU, `fence` the shard's "
+              f"compressed size in output buffers, `host` pinned host memory. Shards over {limit} "
+              "(`--gpu-staging-gb`) are costed at asyncckpt's measured `host`-mode rate (marked *host staging*).",
+              "", f"Sources: {sources}."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -154,6 +154,16 @@ def test_cost_model_arithmetic() -> None:
     assert ours["blocked_seconds"] == pytest.approx(105e9 / 500e9)
     assert ours["slowdown_seconds"] == pytest.approx(0.1 * stored / 5e9)
     assert ours["bytes_per_month"] == pytest.approx(stored * 1440)
+    assert ours["staging"] == "gpu"  # no host-mode rate measured: the GPU rate stands for every shard size
+
+
+def test_cost_model_stages_large_shards_on_the_host() -> None:
+    inputs = _inputs(ours_host_stage_bytes_per_second=20e9, ours_host_persist_step_ratio=1.0)
+    small = cost_model.per_save(cost_model.Scenario("70B", 70e9, 128, 5e9), inputs)[cost_model.OURS]
+    large = cost_model.per_save(cost_model.Scenario("70B", 70e9, 8, 5e9), inputs)[cost_model.OURS]
+    assert small["staging"] == "gpu" and small["blocked_seconds"] == pytest.approx(840e9 / 128 / 500e9)
+    assert large["staging"] == "host" and large["blocked_seconds"] == pytest.approx(105e9 / 20e9)
+    assert large["slowdown_seconds"] == 0.0  # the host mode's own slowdown ratio (1.0), not the GPU mode's
 
 
 def test_cost_model_reads_results_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,7 +187,7 @@ def test_cost_model_reads_results_and_flags(tmp_path: Path, capsys: pytest.Captu
     assert inputs["moments_ratio"] == 1.25 and inputs["sources"]["moments_ratio"] == "flag"
     assert inputs["weights_ratio"] == 1.2  # no compression results: the whole state's ratio
     assert len(report["rows"]) == 2 * 2  # 2 GPU counts x (5 GB/s + GDS)
-    assert "| 70B, 840 GB | 128 | 15 GB/s (GDS) |" in capsys.readouterr().out
+    assert "| 70B, 840 GB | 128 (6.56 GB) | 15 GB/s (GDS) |" in capsys.readouterr().out
 
 
 def test_cost_model_without_measurements_says_which_flags(tmp_path: Path) -> None:
@@ -192,7 +202,7 @@ def test_bench_command_runs_the_cost_model() -> None:
                       "--ours-stage-gbps", "300", "--dcp-persist-step-ratio", "1", "--ours-persist-step-ratio", "1",
                       "--results-dir", str(REPO / "tests"), timeout=60)  # fmt: skip
     assert "### Checkpointing cost per month" in proc.stdout
-    assert "| 70B, 840 GB | 8 | 5 GB/s |" in proc.stdout
+    assert "| 70B, 840 GB | 8 (105 GB) | 5 GB/s |" in proc.stdout
 
 
 def test_statistics() -> None:
