@@ -2,6 +2,7 @@
 
     python -m benchmarks.report --import DIR    # copy a run_h200.sh $OUT into benchmarks/results/ (dated names)
     python -m benchmarks.report                 # rewrite the generated blocks of docs/benchmarks.md
+    python -m benchmarks.report --readme        # print the headline table and chart for the README
 
 The document's prose is written by hand; only the blocks between ``<!-- BEGIN name -->`` and
 ``<!-- END name -->`` are generated, from the newest committed results: the headline table for
@@ -160,7 +161,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--import", dest="import_dir", type=Path, default=None,
                         help="a run_h200.sh output directory to copy into benchmarks/results/ first")  # fmt: skip
     parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--readme", action="store_true",
+                        help="only print the headline block, paths relative to the repository root")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.readme:
+        best = _latest("stall_time", gpu=True) or _latest("stall_time", gpu=False)
+        print(headline(best).replace("](../", "](") if best else "No results committed yet.")
+        return 0
     if args.import_dir is not None:
         for path in import_run(args.import_dir):
             print(f"imported {path.relative_to(REPO_ROOT)}")
