@@ -70,7 +70,7 @@ def build_parser(prog: str = "python -m benchmarks.compression") -> argparse.Arg
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--train-steps", type=int, default=None, help="training steps first (default 200)")
     p.add_argument("--sample-bytes", type=int, default=None,
-                   help="raw bytes per class measured (default: 32 MB CPU, 512 MB GPU)")  # fmt: skip
+                   help="raw bytes per class measured (default: 32 MB CPU, 256 MB GPU)")  # fmt: skip
     p.add_argument("--cpu-sample-bytes", type=int, default=None,
                    help="bytes per class for the CPU codecs on a GPU machine (default 64 MB)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.co
                  "cpu_sample_bytes": 1 << 20}  # fmt: skip
     elif cuda:
         sizes = {"width": 1024, "layers": 12, "context": 128, "batch": 16, "train_steps": 200,
-                 "sample_bytes": 512 << 20, "cpu_sample_bytes": 64 << 20}  # fmt: skip
+                 "sample_bytes": 256 << 20, "cpu_sample_bytes": 64 << 20}  # fmt: skip
     else:
         sizes = {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200,
                  "sample_bytes": 32 << 20, "cpu_sample_bytes": 32 << 20}  # fmt: skip
