@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ..codecs import EncodedBlob
 from ..snapshot import Snapshot, StagedTensor
+from ..tree import TensorLeaf
 from .fence import FenceGate
 
 Group = list[tuple[int, EncodedBlob]]
@@ -90,25 +90,43 @@ class BlobChannel:
             self._cond.notify_all()
 
 
-@dataclass
 class GpuSnapshot:
     """A snapshot whose CUDA tensors sit in the device arena (``device``), stay live (``fence``)
-    or were copied to pinned memory (``host``); CPU tensors are always in host staging."""
+    or were copied to pinned memory (``host``); CPU tensors are always in host staging.
 
-    tensors: list[StagedTensor]
-    staging_bytes: int
-    mode: str
-    device: torch.device
-    ready: torch.cuda.Event | None
-    """Recorded on the caller's stream after the snapshot copies (or at save() for fence)."""
-    host_part: Snapshot | None
-    channel: BlobChannel
-    gate: FenceGate | None = None
-    copy_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    owned: list[torch.Tensor] = field(default_factory=list)
-    """Copies made at stage time (non-contiguous and tiny tensors in fence mode)."""
-    on_release: Callable[[], None] | None = None
-    _released: bool = False
+    ``stage()`` records, per leaf, where its bytes are (``sources``); the :class:`StagedTensor`
+    list is built on first use of :attr:`tensors`, on the compressor thread, so the training
+    thread pays for no per-tensor object it does not need.
+    """
+
+    def __init__(self, leaves: Sequence[TensorLeaf], mode: str, device: torch.device, host_part: Snapshot | None,
+                 channel: BlobChannel) -> None:  # fmt: skip
+        self.leaves = leaves
+        self.mode = mode
+        self.device = device
+        self.host_part = host_part
+        self.channel = channel
+        self.sources: list[torch.Tensor | StagedTensor] = []
+        """Per leaf: its StagedTensor (host staging), arena bytes (device) or the tensor to read (fence)."""
+        self.staging_bytes = host_part.staging_bytes if host_part is not None else 0
+        self.ready: torch.cuda.Event | None = None
+        """Recorded on the caller's stream after the snapshot copies (or at save() for fence)."""
+        self.gate: FenceGate | None = None
+        self.copy_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.on_release: Callable[[], None] | None = None
+        self._tensors: list[StagedTensor] | None = None
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def tensors(self) -> list[StagedTensor]:
+        with self._lock:
+            if self._tensors is None:
+                self._tensors = [
+                    source if isinstance(source, StagedTensor) else _staged(leaf, source)
+                    for leaf, source in zip(self.leaves, self.sources, strict=True)
+                ]
+            return self._tensors
 
     @property
     def stable(self) -> bool:
@@ -151,6 +169,19 @@ class GpuSnapshot:
             self.gate.fail()  # no-op when already open; never leave a training step waiting
         if self.host_part is not None:
             self.host_part.release()
-        self.owned.clear()
+        self.sources = []
+        with self._lock:
+            self._tensors = []
         if self.on_release is not None:
             self.on_release()
+
+
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D uint8 view (no copy)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _staged(leaf: TensorLeaf, data: torch.Tensor) -> StagedTensor:
+    t = leaf.tensor
+    return StagedTensor(key=leaf.key, dtype=t.dtype, shape=tuple(t.shape), device=t.device, data=bytes_view(data))

@@ -48,12 +48,6 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a 1-D uint8 view (no copy)."""
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
-
-
 class DeviceArena:
     """GPU staging slots, one per in-flight save, each reused for every save that fits it."""
 
@@ -157,41 +151,36 @@ class GpuStager:
 
     # ---------------------------------------------------------------- training thread
     def stage(self, leaves: Sequence[TensorLeaf]) -> GpuSnapshot:
-        on_device = [i for i, leaf in enumerate(leaves) if leaf.tensor.device == self.device]
-        device_bytes = sum(nbytes_of(leaves[i].tensor) for i in on_device)
+        device = self.device
+        here = [leaf.tensor.device == device for leaf in leaves]
+        device_bytes = sum(nbytes_of(leaf.tensor) for leaf, on in zip(leaves, here, strict=True) if on)
         mode = self._choose(device_bytes)
         if self.on_mode is not None:
             self.on_mode(mode)
         if mode == "host":
-            on_device = []
-        device_set = set(on_device)
-        host_leaves = [leaf for i, leaf in enumerate(leaves) if i not in device_set]
+            here = [False] * len(leaves)
+        host_leaves = [leaf for leaf, on in zip(leaves, here, strict=True) if not on]
         host_part = self.host.stage(host_leaves) if host_leaves else None
-        staged: list[StagedTensor | None] = [None] * len(leaves)
-        if host_part is not None:
-            host_index = [i for i in range(len(leaves)) if i not in device_set]
-            for i, item in zip(host_index, host_part.tensors, strict=True):
-                staged[i] = item
         snapshot = GpuSnapshot(
-            tensors=[],
-            staging_bytes=host_part.staging_bytes if host_part else 0,
-            mode=mode,
-            device=self.device,
-            ready=None,
-            host_part=host_part,
-            channel=BlobChannel(None if mode == "fence" else self.window_bytes),
+            leaves, mode, device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes)
         )
+        sources: list[torch.Tensor | StagedTensor] = [leaf.tensor for leaf in leaves]
+        if host_part is not None:
+            staged = iter(host_part.tensors)
+            for i, on in enumerate(here):
+                if not on:
+                    sources[i] = next(staged)
+        on_device = [i for i, on in enumerate(here) if on]
         try:
             if mode == "device":
-                self._copy_to_arena(leaves, on_device, staged, snapshot)
+                self._copy_to_arena(on_device, sources, snapshot)
             elif mode == "fence":
-                self._fence(leaves, on_device, staged, snapshot)
+                self._fence(on_device, sources, snapshot)
         except BaseException:
             if host_part is not None:
                 host_part.release()
             raise
-        snapshot.tensors = [s for s in staged if s is not None]
-        assert len(snapshot.tensors) == len(leaves)
+        snapshot.sources = sources
         self._submit(snapshot)
         return snapshot
 
@@ -219,41 +208,42 @@ class GpuStager:
                 "(argument or ASYNCCKPT_GPU_STAGING_BUDGET_BYTES), or use snapshot='fence' or 'host'"
             )
 
-    def _copy_to_arena(
-        self,
-        leaves: Sequence[TensorLeaf],
-        on_device: list[int],
-        staged: list[StagedTensor | None],
-        snapshot: GpuSnapshot,
-    ) -> None:
-        sources = [leaves[i].tensor for i in on_device]
-        slot, typed, raw = self.arena.acquire(sources)
+    def _to_arena(self, indices: list[int], sources: list[torch.Tensor | StagedTensor],
+                  snapshot: GpuSnapshot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
+        """Copy ``sources[i]`` for ``indices`` into an arena slot with one ``_foreach_copy_`` on the
+        caller's stream; ``sources[i]`` becomes the slot's bytes. Returns (began, ended) events."""
+        tensors = [t for t in (sources[i] for i in indices) if isinstance(t, torch.Tensor)]
+        assert len(tensors) == len(indices), "only device tensors go to the arena"
+        slot, typed, raw = self.arena.acquire(tensors)
         snapshot.on_release = lambda: self.arena.release(slot)
         stream = torch.cuda.current_stream(self.device)
-        began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record(stream)
-        if sources:
-            torch._foreach_copy_(typed, sources)
-        ready.record(stream)
-        snapshot.ready, snapshot.copy_timing = ready, (began, ready)
-        snapshot.staging_bytes += sum(r.numel() for r in raw)
-        for i, data in zip(on_device, raw, strict=True):
-            staged[i] = _staged(leaves[i], data)
+        if tensors:
+            torch._foreach_copy_(typed, tensors)
+        ended.record(stream)
+        for i, data in zip(indices, raw, strict=True):
+            sources[i] = data
+            snapshot.staging_bytes += data.numel()
+        return began, ended
 
-    def _fence(
-        self,
-        leaves: Sequence[TensorLeaf],
-        on_device: list[int],
-        staged: list[StagedTensor | None],
-        snapshot: GpuSnapshot,
-    ) -> None:
+    def _copy_to_arena(self, on_device: list[int], sources: list[torch.Tensor | StagedTensor],
+                       snapshot: GpuSnapshot) -> None:  # fmt: skip
+        began, ended = self._to_arena(on_device, sources, snapshot)
+        snapshot.ready, snapshot.copy_timing = ended, (began, ended)
+
+    def _fence(self, on_device: list[int], sources: list[torch.Tensor | StagedTensor],
+               snapshot: GpuSnapshot) -> None:  # fmt: skip
+        # Compression reads the tensors after save() returns, and a tensor stored raw is read later
+        # still, at write time: tiny ones (stored raw) and non-contiguous ones get a copy.
+        copies = []
         for i in on_device:
-            t = leaves[i].tensor
-            if not t.is_contiguous() or nbytes_of(t) < TINY_BYTES:
-                # Compression reads these after save() returns and writes may come later still: own a copy.
-                t = t.contiguous() if not t.is_contiguous() else t.clone()
-                snapshot.owned.append(t)
-            staged[i] = _staged(leaves[i], bytes_view(t))
+            t = sources[i]
+            assert isinstance(t, torch.Tensor)
+            if nbytes_of(t) < TINY_BYTES or not t.is_contiguous():
+                copies.append(i)
+        if copies:
+            self._to_arena(copies, sources, snapshot)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         snapshot.ready = ready
@@ -269,8 +259,3 @@ class GpuStager:
     def close(self) -> None:
         self.arena.close()
         self.host.close()
-
-
-def _staged(leaf: TensorLeaf, data: torch.Tensor) -> StagedTensor:
-    t = leaf.tensor
-    return StagedTensor(key=leaf.key, dtype=t.dtype, shape=tuple(t.shape), device=t.device, data=data)

@@ -13,7 +13,7 @@ from asyncckpt.codecs import get_decoder
 from asyncckpt.gpu.checksum import mix64_device
 from asyncckpt.gpu.decoders import NvcompDecoder
 from asyncckpt.gpu.pipeline import GpuEncoder
-from asyncckpt.gpu.specs import ALGORITHMS, auto_candidates
+from asyncckpt.gpu.specs import ALGORITHMS, CodecSpec, auto_candidates
 
 pytestmark = requires_gpu
 
@@ -67,24 +67,26 @@ def test_every_codec_round_trips_every_dtype_on_the_gpu(codec: str, tensors: dic
 
 def test_auto_keeps_the_smallest_candidate_and_remembers_it(tensors: dict[str, torch.Tensor]) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    auto, ans = GpuEncoder("auto", device), GpuEncoder("ans", device)
+    auto, ans, bitcomp = GpuEncoder("auto", device), GpuEncoder("ans", device), GpuEncoder("bitcomp", device)
     try:
         for name, tensor in tensors.items():
             raw = _bytes(tensor)
             chosen = auto.encode(raw, tensor.dtype, name)
             assert chosen.stored_bytes <= ans.encode(raw, tensor.dtype, name).stored_bytes, name
+            assert chosen.stored_bytes <= bitcomp.encode(raw, tensor.dtype, name).stored_bytes, name
             remembered = auto.chooser.remembered()
             if len(auto_candidates(tensor.dtype)) > 1:
                 assert remembered[name] in auto_candidates(tensor.dtype)
                 assert auto.chooser.specs_for(name, tensor.dtype) == (remembered[name],)  # no probe next time
             out = torch.empty_like(raw)
-            NvcompDecoder("ans").decode(chosen.data, chosen.chunks, chosen.params, out)
+            NvcompDecoder(chosen.codec).decode(chosen.data, chosen.chunks, chosen.params, out)
             assert torch.equal(out, raw), name
-        # FP32 gradients made under BF16 autocast have near-constant low bytes: byte planes win.
-        assert auto.chooser.remembered()["fp32_grad_autocast"].planes == 4
+        # FP32 gradients made under BF16 autocast have near-constant low bytes: whole-word ANS loses.
+        assert auto.chooser.remembered()["fp32_grad_autocast"] != CodecSpec("ans", "<f4")
     finally:
         auto.close()
         ans.close()
+        bitcomp.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096, (1 << 20) + 3])
