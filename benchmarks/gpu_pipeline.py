@@ -327,7 +327,7 @@ def pipeline(args: argparse.Namespace, scratch: Path, progress: Progress) -> dic
     work.train(args.warmup_steps, progress, "warm-up")
     state_bytes = tensor_bytes(work.state())
     out["state_bytes"] = state_bytes
-    out["copy"] = copy_bandwidth(device, min(2 << 30, state_bytes))
+    out["copy"] = copy_bandwidth(device, min(1 << 30, state_bytes))
     release_memory(device)
     out["disk"] = storage_bandwidth(scratch / "probe", args.disk_bytes, repeats=1)
     d2d, disk = out["copy"]["d2d_bytes_per_second"], out["disk"]
