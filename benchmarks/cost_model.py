@@ -76,16 +76,21 @@ class Scenario:
     gpus: int
     storage_bytes_per_second: float
     gds: bool = False
+    weight_bytes: float = 2.0
+    """Bytes per parameter of the weights (BF16), the Adam moments (two FP32) and the gradients (BF16)."""
+    moment_bytes: float = 8.0
+    grad_bytes: float = 2.0
 
 
-def checkpoint_parts(params: float) -> dict[str, float]:
-    """Bytes of each part of the checkpoint: BF16 weights, FP32 Adam moments (two), BF16 gradients."""
-    return {"weights": 2 * params, "moments": 8 * params, "grads": 2 * params}
+def checkpoint_parts(s: Scenario) -> dict[str, float]:
+    """Bytes of each part of the checkpoint: weights, Adam moments, gradients."""
+    return {"weights": s.weight_bytes * s.params, "moments": s.moment_bytes * s.params,
+            "grads": s.grad_bytes * s.params}  # fmt: skip
 
 
 def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, Any]]:
     """Seconds lost per GPU and bytes written, for one save, per method."""
-    parts = checkpoint_parts(s.params)
+    parts = checkpoint_parts(s)
     raw = sum(parts.values())
     shard = raw / s.gpus
     ours_stored = (parts["weights"] / i.weights_ratio + parts["moments"] / i.moments_ratio
@@ -113,7 +118,7 @@ def per_save(s: Scenario, i: Inputs) -> dict[str, dict[str, Any]]:
 
 
 def monthly(s: Scenario, i: Inputs, saves_per_month: float, price: float) -> dict[str, Any]:
-    total = sum(checkpoint_parts(s.params).values())
+    total = sum(checkpoint_parts(s).values())
     row: dict[str, Any] = {"scenario": asdict(s), "checkpoint_bytes": total, "shard_bytes": total / s.gpus}
     for name, v in per_save(s, i).items():
         gpu_hours = s.gpus * v["lost_seconds"] * saves_per_month / 3600
@@ -190,6 +195,9 @@ def build_parser(prog: str = "python -m benchmarks.cost_model") -> argparse.Argu
     p.add_argument("--gds-gbps", type=float, default=15.0, help="GPUDirect Storage bandwidth row (0: none)")
     p.add_argument("--large-params", type=float, default=405e9, help="the large model's parameters (0: none)")
     p.add_argument("--large-gpus", type=int, default=128)
+    p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes per parameter of weights (2: BF16)")
+    p.add_argument("--moment-bytes", type=float, default=8.0, help="... of optimizer moments (8: two FP32)")
+    p.add_argument("--grad-bytes", type=float, default=2.0, help="... of gradients (2: BF16; 0: not saved)")
     p.add_argument("--saves-per-day", type=float, default=48.0, help="default: every 30 minutes")
     p.add_argument("--days-per-month", type=float, default=30.0)
     p.add_argument("--gpu-hour-price", type=float, default=2.50, help="money per GPU-hour (default 2.50)")
@@ -253,19 +261,20 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    sizes = {"weight_bytes": args.weight_bytes, "moment_bytes": args.moment_bytes, "grad_bytes": args.grad_bytes}
     out = []
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     bandwidths = [float(b) for b in args.storage_gbps.split(",") if b.strip()]
     label = f"{args.params / 1e9:.0f}B"
     for g in gpus:
-        out += [Scenario(label, args.params, g, bw * GB) for bw in bandwidths]
+        out += [Scenario(label, args.params, g, bw * GB, **sizes) for bw in bandwidths]
         if args.gds_gbps:
-            out.append(Scenario(label, args.params, g, args.gds_gbps * GB, gds=True))
+            out.append(Scenario(label, args.params, g, args.gds_gbps * GB, gds=True, **sizes))
     if args.large_params:
         big = f"{args.large_params / 1e9:.0f}B"
-        out += [Scenario(big, args.large_params, args.large_gpus, bw * GB) for bw in bandwidths]
+        out += [Scenario(big, args.large_params, args.large_gpus, bw * GB, **sizes) for bw in bandwidths]
         if args.gds_gbps:
-            out.append(Scenario(big, args.large_params, args.large_gpus, args.gds_gbps * GB, gds=True))
+            out.append(Scenario(big, args.large_params, args.large_gpus, args.gds_gbps * GB, gds=True, **sizes))
     return out
 
 
