@@ -404,7 +404,8 @@ def markdown(report: dict[str, Any]) -> str:
         + (f", D2D {_rate(copies.get('d2d_bytes_per_second'))}, D2H pinned "
            f"{_rate(copies.get('d2h_pinned_bytes_per_second'))}, D2H pageable "
            f"{_rate(copies.get('d2h_pageable_bytes_per_second'))}" if "d2d_bytes_per_second" in copies else "")
-        + f". Baseline training step: {fmt_seconds(_baseline(report).get('step_seconds_median'))}.",
+        + f". Baseline training step: {fmt_seconds(_baseline(report).get('step_seconds_median'))}"
+        + f" (per round, for drift: {_per_round(report)}).",
         "",
         "| method | blocked per save, median (p95) | first save blocked | next step + | durable after "
         "| durable / disk time | steps while persisting | stored (ratio) | peak extra GPU / host | saves |",
@@ -439,6 +440,11 @@ def markdown(report: dict[str, Any]) -> str:
     for entry in failed:
         lines.append(f"\n{entry['name']} failed: {entry['error'].splitlines()[0][:300]}")
     return "\n".join(lines) + "\n"
+
+
+def _per_round(report: dict[str, Any]) -> str:
+    samples = next((e["samples"] for e in report["methods"] if e["kind"] == "baseline"), [])
+    return ", ".join(fmt_seconds(median(s["step_seconds"])) for s in samples) or "-"
 
 
 def _load(values: list[float] | None) -> str:
