@@ -102,11 +102,16 @@ class Workload:
         self.steps_done += 1
         return time.perf_counter() - began
 
-    def train(self, steps: int, progress: Progress | None = None, what: str = "training") -> float:
-        """Train ``steps`` steps; return the wall seconds."""
+    def train(self, steps: int, progress: Progress | None = None, what: str = "training",
+              deadline: float | None = None) -> float:  # fmt: skip
+        """Train ``steps`` steps, or until ``time.perf_counter()`` passes ``deadline``; return the wall seconds."""
         began = time.perf_counter()
         report_every = max(1, steps // 5)
         for i in range(1, steps + 1):
+            if deadline is not None and time.perf_counter() > deadline:
+                if progress is not None:
+                    progress.say(f"{what}: stopped after {i - 1} steps (time limit)")
+                break
             self.step()
             if progress is not None and (i % report_every == 0 or i == steps):
                 progress.say(f"{what}: step {i}/{steps}, loss {self.last_loss:.3f}")

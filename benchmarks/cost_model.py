@@ -219,11 +219,19 @@ def build_parser(prog: str = "python -m benchmarks.cost_model") -> argparse.Argu
 
 
 def resolve_inputs(args: argparse.Namespace) -> tuple[Inputs, list[str]]:
-    stall = args.stall_results or latest_result("stall_time", directory=args.results_dir)
-    compression = args.compression_results or latest_result("compression", directory=args.results_dir)
+    latest_stall = latest_result("stall_time", directory=args.results_dir)
+    latest_compression = latest_result("compression", directory=args.results_dir)
+    stall = args.stall_results or latest_stall
+    compression = args.compression_results or latest_compression
     measured = measured_defaults(stall, compression)
     sources: dict[str, str] = measured.pop("_sources")
     device = measured.pop("_device", None)
+    if (stall, compression) != (latest_stall, latest_compression):
+        # A run that measured only some methods (time ran out) borrows the rest from the committed results.
+        fallback = measured_defaults(latest_stall, latest_compression)
+        for key, source in fallback.pop("_sources").items():
+            if key not in measured:
+                measured[key], sources[key] = fallback[key], f"{source} (not in the given results)"
     warnings = []
     if device == "cpu":
         warnings.append(f"the stall inputs come from a CPU-only run ({stall.name if stall else '?'}): its staging "

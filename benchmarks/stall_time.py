@@ -416,8 +416,11 @@ def markdown(report: dict[str, Any]) -> str:
         if entry["kind"] == "baseline":
             continue
         if not entry["available"] or not entry["samples"]:
-            why = entry["unavailable"] or entry["error"] or "not measured (time limit)"
-            lines.append(f"| {entry['label']} | unavailable: {why.splitlines()[0][:120]} |||||||||")
+            if entry["unavailable"]:
+                why = f"unavailable: {entry['unavailable']}"
+            else:
+                why = f"failed: {entry['error']}" if entry["error"] else "not measured: no time left in the budget"
+            lines.append(f"| {entry['label']} | {why.splitlines()[0][:140]} |||||||||")
             continue
         codecs = s.get("codecs")
         label = entry["label"] + (f" [{_codecs(codecs)}]" if codecs else "")
@@ -443,7 +446,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _per_round(report: dict[str, Any]) -> str:
-    samples = next((e["samples"] for e in report["methods"] if e["kind"] == "baseline"), [])
+    samples: list[dict[str, Any]] = next((e["samples"] for e in report["methods"] if e["kind"] == "baseline"), [])
     return ", ".join(fmt_seconds(median(s["step_seconds"])) for s in samples) or "-"
 
 
@@ -511,7 +514,9 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
     state_bytes = tensor_bytes(workload.state())
     progress.say(f"model: {params / 1e6:.1f}M parameters (width {config.width}, {config.layers} layers) on "
                  f"{workload.device}; training {args.train_steps} steps")  # fmt: skip
-    train_seconds = workload.train(args.train_steps, progress)
+    # Training may take at most 40% of a time limit: the measurements are the point of the run.
+    deadline = started + 0.4 * args.time_limit if args.time_limit is not None else None
+    train_seconds = workload.train(args.train_steps, progress, deadline=deadline)
     state_bytes = tensor_bytes(workload.state())
     runner = Runner(args, workload, scratch, progress)
     created_pg = False
@@ -538,7 +543,7 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
 
     model = {"parameters": params, "state_bytes": state_bytes, "width": config.width, "layers": config.layers,
              "heads": config.resolved_heads(), "context": config.context, "batch": config.batch,
-             "device": workload.device.type, "train_steps": args.train_steps, "train_seconds": train_seconds,
+             "device": workload.device.type, "train_steps": workload.steps_done, "train_seconds": train_seconds,
              "final_loss": workload.last_loss}  # fmt: skip
 
     command = args.command
