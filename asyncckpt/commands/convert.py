@@ -23,6 +23,7 @@ from ..backend import CPU_ENCODERS, cpu_encoder
 from ..codecs import Encoder
 from ..dtypes import dtype_name
 from ..errors import CheckpointError
+from ..gpu.snapshot import bytes_view
 from ..layout import resolve_checkpoint
 from ..loader import load
 from ..manifest import Manifest, read_manifest
@@ -130,11 +131,6 @@ def _tensors(source: Path, manifest: Manifest, device: torch.device) -> list[tor
     return tensors
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
-
-
 class _Decoded:
     """A snapshot of decoded tensors (nothing to wait for; the caller owns the memory)."""
 
@@ -143,7 +139,7 @@ class _Decoded:
 
     def __init__(self, manifest: Manifest, tensors: list[torch.Tensor]) -> None:
         self.tensors = [
-            StagedTensor(rec.key, t.dtype, tuple(t.shape), torch.device(rec.device), _bytes(t))
+            StagedTensor(rec.key, t.dtype, tuple(t.shape), torch.device(rec.device), bytes_view(t.contiguous()))
             for rec, t in zip(manifest.tensors, tensors, strict=True)
         ]
 
@@ -186,5 +182,5 @@ def write_safetensors(path: Path, manifest: Manifest, tensors: list[torch.Tensor
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for t in tensors:
-            f.write(_bytes(t.cpu()).numpy().tobytes())
+            f.write(bytes_view(t.cpu().contiguous()).numpy().tobytes())
     return 8 + len(encoded) + offset
