@@ -43,7 +43,7 @@ from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .planes import split_into
 from .snapshot import GpuSnapshot, Group
 from .specs import CodecSpec
-from .staging import TINY_BYTES
+from .staging import TINY_BYTES, aligned_layout
 
 log = logging.getLogger("asyncckpt")
 
@@ -54,7 +54,6 @@ DEFAULT_GROUP_BYTES = 256 << 20
 """Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group of its own)."""
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Compressed bytes that may wait for the writer before the compressor pauses (not in fence mode)."""
-_INPUT_ALIGN_BYTES = 512
 
 _STOP = object()
 
@@ -264,7 +263,7 @@ class GpuEncoder:
             typestr = batch.typestr_for(spec)
             alignment = batch.required_alignment(spec, self.stream, chunk)
             if spec.planes > 1 or any(t.data_ptr() % alignment for t in sources):
-                offsets, total = _aligned_layout(sources)
+                offsets, total = aligned_layout(sources)
                 planar = torch.empty(total, dtype=torch.uint8, device=self.device)
                 for t, offset in zip(sources, offsets, strict=True):
                     split_into(t, planar[offset : offset + t.numel()], chunk, spec.planes)
@@ -290,7 +289,7 @@ class GpuEncoder:
         data = [staged.data for _index, staged in work.items]
         uploads = [i for i, d in enumerate(data) if d.device.type != "cuda"]
         if uploads:
-            offsets, total = _aligned_layout([data[i] for i in uploads])
+            offsets, total = aligned_layout([data[i] for i in uploads])
             buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
             work.keep_alive.append(buffer)
             for i, offset in zip(uploads, offsets, strict=True):
@@ -358,11 +357,3 @@ class GpuEncoder:
             stats.stored_bytes += n
         blobs.sort(key=lambda pair: pair[0])
         return blobs, total
-
-
-def _aligned_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += (t.numel() + _INPUT_ALIGN_BYTES - 1) // _INPUT_ALIGN_BYTES * _INPUT_ALIGN_BYTES
-    return offsets, max(end, 1)

@@ -48,6 +48,15 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def aligned_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Offsets of ``tensors`` packed into one buffer, each at a multiple of ARENA_ALIGN_BYTES; and its size."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += (nbytes_of(t) + ARENA_ALIGN_BYTES - 1) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+    return offsets, end
+
+
 class DeviceArena:
     """GPU staging slots, one per in-flight save, each reused for every save that fits it."""
 
@@ -66,14 +75,6 @@ class DeviceArena:
         for i in range(slots):
             self._free.put(i)
 
-    @staticmethod
-    def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-        offsets, end = [], 0
-        for t in tensors:
-            offsets.append(end)
-            end += (nbytes_of(t) + ARENA_ALIGN_BYTES - 1) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
-        return offsets, end
-
     def acquire(self, tensors: Sequence[torch.Tensor]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
         """A free slot holding room for ``tensors``: (slot id, typed views, byte views)."""
         signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -81,7 +82,7 @@ class DeviceArena:
         cached = self._views.get(slot)
         if cached is not None and cached[0] == signature:
             return slot, cached[1], cached[2]
-        offsets, total = self.layout(tensors)
+        offsets, total = aligned_layout(tensors)
         if self._slots[slot].numel() < total:
             self._replace(slot, total)
         arena = self._slots[slot]
