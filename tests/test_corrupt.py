@@ -101,8 +101,14 @@ def test_zstd_bomb_is_bounded_by_the_recorded_size(checkpoint: Path) -> None:
 
     def point_at_bomb(doc: dict[str, Any]) -> None:
         record = next(t for t in doc["tensors"] if t["key"] == "model/bias")
-        record.update(offset=offset, stored_bytes=len(bomb), chunks=[[len(bomb), 128]], codec="zstd",
-                      codec_params={"planes": 1}, checksum={"algorithm": "crc32", "value": f"{zlib.crc32(bomb):08x}"})
+        record.update(
+            offset=offset,
+            stored_bytes=len(bomb),
+            chunks=[[len(bomb), 128]],
+            codec="zstd",
+            codec_params={"planes": 1},
+            checksum={"algorithm": "crc32", "value": f"{zlib.crc32(bomb):08x}"},
+        )
 
     _edit_manifest(checkpoint, point_at_bomb)
     with pytest.raises(asyncckpt.CorruptCheckpointError, match="'model/bias'.*zstd"):
