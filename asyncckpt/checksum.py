@@ -64,6 +64,15 @@ def compute(algorithm: str, buf: torch.Tensor) -> str:
     return HOST_ALGORITHMS[algorithm](buf.numpy())
 
 
+def verify_value(algorithm: str, expected: str, actual: str, where: str) -> None:
+    """Raise CorruptCheckpointError naming ``where`` (tensor and file) if the checksums differ."""
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch ({algorithm} stored {expected}, computed {actual}); "
+            "the file is corrupt. Load an earlier checkpoint with step=..."
+        )
+
+
 def check_algorithm(name: object, where: str) -> str:
     if name not in HOST_ALGORITHMS:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {name!r} (known: {sorted(HOST_ALGORITHMS)})")

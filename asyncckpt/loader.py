@@ -161,12 +161,7 @@ def _decoded_tensors(checkpoint: Path, manifest: Manifest) -> Iterator[torch.Ten
 
 def _check_blob(blob: torch.Tensor, record: TensorRecord, where: str) -> None:
     algorithm = checksum.check_algorithm(record.checksum.algorithm, where)
-    actual = checksum.compute(algorithm, blob)
-    if actual != record.checksum.value:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch ({algorithm} stored {record.checksum.value}, computed {actual}); "
-            "the file is corrupt. Load an earlier checkpoint with step=..."
-        )
+    checksum.verify_value(algorithm, record.checksum.value, checksum.compute(algorithm, blob), where)
 
 
 def _decode(blob: torch.Tensor, record: TensorRecord, where: str) -> torch.Tensor:

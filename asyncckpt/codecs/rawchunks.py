@@ -23,6 +23,32 @@ ChunkDecoder = Callable[[bytes, int], bytes]
 CorruptCheckpointError if it does not decode."""
 
 
+def checked_planes(codec: str, params: Mapping[str, Any]) -> int:
+    """The ``planes`` parameter of a manifest record, validated (hostile input)."""
+    planes = params.get("planes", 1)
+    if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
+        raise CorruptCheckpointError(f"{codec}: invalid planes parameter {planes!r}")
+    return planes
+
+
+def chunk_views(
+    codec: str, src: np.ndarray, dst: np.ndarray, chunks: list[tuple[int, int]], planes: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(stored bytes, raw output)`` views per chunk, after checking every size against the buffers."""
+    views, stored_at, raw_at = [], 0, 0
+    for stored, raw in chunks:
+        if raw % planes:
+            raise CorruptCheckpointError(f"{codec}: chunk of {raw} bytes is not a whole number of {planes}-byte items")
+        views.append((src[stored_at : stored_at + stored], dst[raw_at : raw_at + raw]))
+        stored_at, raw_at = stored_at + stored, raw_at + raw
+    if stored_at != src.size or raw_at != dst.size:
+        raise CorruptCheckpointError(
+            f"{codec}: chunk sizes do not add up to the blob ({stored_at} of {src.size} "
+            f"stored, {raw_at} of {dst.size} raw bytes)"
+        )
+    return views
+
+
 def decode_chunks(
     codec: str,
     decompress: ChunkDecoder,
@@ -31,23 +57,11 @@ def decode_chunks(
     params: Mapping[str, Any],
     out: torch.Tensor,
 ) -> None:
-    planes = params.get("planes", 1)
-    if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
-        raise CorruptCheckpointError(f"{codec}: invalid planes parameter {planes!r}")
+    planes = checked_planes(codec, params)
     if blob.device.type != "cpu" or out.device.type != "cpu":
         raise ValueError(f"the {codec} CPU decoder takes host buffers")
-    src, dst = blob.numpy(), out.numpy()
-    stored_at = raw_at = 0
-    for stored, raw in chunks:
-        if raw % planes:
-            raise CorruptCheckpointError(f"{codec}: chunk of {raw} bytes is not a whole number of {planes}-byte items")
-        plain = decompress(src[stored_at : stored_at + stored].tobytes(), raw)
-        if len(plain) != raw:
-            raise CorruptCheckpointError(f"{codec}: chunk decoded to {len(plain)} bytes, expected {raw}")
-        byte_planes.join(np.frombuffer(plain, dtype=np.uint8), planes, dst[raw_at : raw_at + raw])
-        stored_at, raw_at = stored_at + stored, raw_at + raw
-    if stored_at != src.size or raw_at != dst.size:
-        raise CorruptCheckpointError(
-            f"{codec}: chunk sizes do not add up to the blob ({stored_at} of {src.size} "
-            f"stored, {raw_at} of {dst.size} raw bytes)"
-        )
+    for stored, raw in chunk_views(codec, blob.numpy(), out.numpy(), chunks, planes):
+        plain = decompress(stored.tobytes(), raw.size)
+        if len(plain) != raw.size:
+            raise CorruptCheckpointError(f"{codec}: chunk decoded to {len(plain)} bytes, expected {raw.size}")
+        byte_planes.join(np.frombuffer(plain, dtype=np.uint8), planes, raw)

@@ -23,6 +23,7 @@ from ..dtypes import FLOATING_NAMES, dtype_name
 from ..errors import CorruptCheckpointError
 from . import planes as byte_planes
 from .base import EncodedBlob
+from .rawchunks import checked_planes, chunk_views
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Raw bytes per chunk: large enough for a good ratio, small enough to spread over cores."""
@@ -86,16 +87,8 @@ class ZstdCodec:
     def decode(
         self, blob: torch.Tensor, chunks: list[tuple[int, int]], params: Mapping[str, Any], out: torch.Tensor
     ) -> None:
-        planes = params.get("planes", 1)
-        if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
-            raise CorruptCheckpointError(f"zstd: invalid planes parameter {planes!r}")
-        src, dst = blob.numpy(), out.numpy()
-        jobs, stored_at, raw_at = [], 0, 0
-        for stored, raw in chunks:
-            if raw % planes:
-                raise CorruptCheckpointError(f"zstd: chunk of {raw} bytes is not a whole number of {planes}-byte items")
-            jobs.append((src[stored_at : stored_at + stored], dst[raw_at : raw_at + raw]))
-            stored_at, raw_at = stored_at + stored, raw_at + raw
+        planes = checked_planes("zstd", params)
+        jobs = chunk_views("zstd", blob.numpy(), out.numpy(), chunks, planes)
         for _ in self._executor.map(lambda job: _decompress_into(job[0], job[1], planes), jobs):
             pass
 

@@ -156,8 +156,4 @@ def _decode_window(
 def _verify(blob: torch.Tensor, record: TensorRecord, where: str) -> None:
     algorithm = checksum.check_algorithm(record.checksum.algorithm, where)
     actual = mix64_device(blob) if algorithm == "mix64" else checksum.compute(algorithm, blob.cpu())
-    if actual != record.checksum.value:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch ({algorithm} stored {record.checksum.value}, computed {actual}); "
-            "the file is corrupt. Load an earlier checkpoint with step=..."
-        )
+    checksum.verify_value(algorithm, record.checksum.value, actual, where)
