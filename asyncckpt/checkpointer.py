@@ -217,6 +217,7 @@ class AsyncCheckpointer:
                     f"The latest good checkpoint is unchanged."
                 )
                 error.__cause__ = exc
+                _release_quietly(job)  # a save that failed before write_part still holds its staging
                 with self._lock:
                     self._inflight.pop(job.step, None)
                     if self._unreported is None:
@@ -235,6 +236,14 @@ class AsyncCheckpointer:
                      result.stored_bytes, result.durable_seconds)  # fmt: skip
             self._observer.save_finished(result, inflight)
             handle._finish(result)
+
+
+def _release_quietly(job: SaveJob) -> None:
+    """Return a failed save's staging memory (release() is idempotent), so the next save cannot block on it."""
+    try:
+        job.snapshot.release()
+    except Exception:
+        log.exception("asyncckpt: releasing the staging memory of failed step %d failed too", job.step)
 
 
 def _register_exit_hook(hook: Any) -> None:

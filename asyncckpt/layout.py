@@ -18,6 +18,7 @@ names a directory that is gone, readers fall back to the highest committed step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, read_regular_file
+
+log = logging.getLogger("asyncckpt")
 
 LATEST_NAME = "latest"
 _CKPT_DIR = re.compile(r"step-(\d{10,20})")
@@ -77,7 +80,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | Non
     root = Path(directory)
     committed = list_checkpoints(root)
     with contextlib.suppress(OSError, UnicodeDecodeError):
-        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
+        name = read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
         for info in committed:
             if info.path.name == name:
                 return info
@@ -114,14 +117,23 @@ def resolve_checkpoint(directory_or_checkpoint: str | os.PathLike[str], step: in
 def commit(tmp_dir: Path, final_dir: Path) -> None:
     """Make a fully written, fsynced ``tmp_dir`` visible as ``final_dir`` and point ``latest`` at it."""
     publish(tmp_dir, final_dir)
+    # From here on the checkpoint is committed: a pointer that cannot be written is a warning, and
+    # the stale pointer is removed so readers fall back to the highest committed step.
     root = final_dir.parent
     pointer_tmp = root / f".{LATEST_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    with open(pointer_tmp, "w", encoding="utf-8") as f:
-        f.write(final_dir.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, root / LATEST_NAME)
-    fsync_dir(root)
+    try:
+        with open(pointer_tmp, "w", encoding="utf-8") as f:
+            f.write(final_dir.name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, root / LATEST_NAME)
+        fsync_dir(root)
+    except OSError as exc:
+        log.warning("asyncckpt: %s is committed, but the %r pointer could not be updated: %s", final_dir,
+                    LATEST_NAME, exc)  # fmt: skip
+        for stale in (pointer_tmp, root / LATEST_NAME):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
 
 
 def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:

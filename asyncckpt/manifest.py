@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +82,7 @@ def read_manifest(checkpoint_dir: Path) -> Manifest:
     """Read and validate ``checkpoint_dir/manifest.json``."""
     path = checkpoint_dir / MANIFEST_NAME
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = read_regular_file(path, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{checkpoint_dir}: no {MANIFEST_NAME}; not a committed asyncckpt checkpoint"
@@ -91,6 +92,28 @@ def read_manifest(checkpoint_dir: Path) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     return parse_manifest(data, str(path))
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, which must be a regular file and not a symlink.
+
+    A FIFO would block a reader forever and a symlink to /dev/zero would fill its memory; a
+    symlink could also point outside the checkpoint. Raises OSError (FileNotFoundError if absent).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -112,13 +135,23 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     tensors = [_parse_tensor(item, f"{where}: tensors[{i}]") for i, item in enumerate(raw_tensors)]
     return Manifest(
         step=fields.nonnegative("step"),
-        created_unix=float(fields.get("created_unix", (int, float))),
+        created_unix=_finite_seconds(fields.get("created_unix", (int, float)), where),
         library_version=fields.get("library_version", str),
         tensors=tensors,
         structure=fields.get("structure", dict),
         metadata=fields.get("metadata", dict),
         io_mode=fields.get("io_mode", str),
     )
+
+
+def _finite_seconds(value: float, where: str) -> float:
+    try:
+        seconds = float(value)  # a JSON integer may be too large for a float
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise CorruptCheckpointError(f"{where}: field 'created_unix' = {value!r:.40} is not a finite time")
+    return seconds
 
 
 def _reject_constant(name: str) -> None:

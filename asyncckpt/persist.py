@@ -8,6 +8,7 @@ checkpoint stays the latest.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,9 @@ from .storage import Storage
 
 DATA_FILE = "data-0.bin"
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+log = logging.getLogger("asyncckpt")
 
 
 @dataclass
@@ -127,8 +131,16 @@ def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_l
     """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread."""
     final = root / checkpoint_name(job.step)
     result = persist_to(job, final, encoder, storage)
-    apply_retention(root, keep_last, protect=final)
+    retain_quietly(root, keep_last, protect=final)
     return result
+
+
+def retain_quietly(root: Path, keep_last: int | None, protect: Path) -> None:
+    """Apply retention after a commit; a failure here is a warning: the new checkpoint is committed."""
+    try:
+        apply_retention(root, keep_last, protect=protect)
+    except OSError as exc:
+        log.warning("asyncckpt: %s is committed, but deleting older checkpoints failed: %s", protect, exc)
 
 
 def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *, point_latest: bool = True,
@@ -141,8 +153,8 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
     see :func:`asyncckpt.layout.publish`).
     """
     tmp = temporary_dir(final.parent, job.step)
-    os.mkdir(tmp)
     try:
+        os.mkdir(tmp)
         part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE)
         began = time.perf_counter()
         for name, data in job.files.items():

@@ -190,8 +190,12 @@ def unflatten(skeleton: object, tensor_at: Callable[[int], torch.Tensor], where:
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise bad("dict item is not a [key, value] pair")
                 key = build(pair[0], depth + 1)
-                if isinstance(key, (dict, list, torch.Tensor)):
-                    raise bad("unhashable dict key")
+                try:
+                    hash(key)  # a tuple key may hold a list
+                except TypeError:
+                    raise bad("unhashable dict key") from None
+                if isinstance(key, torch.Tensor):
+                    raise bad("tensor used as a dict key")
                 out[key] = build(pair[1], depth + 1)
             return out
         if tag in ("list", "tuple", "size"):

@@ -78,6 +78,16 @@ def _tensor0(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (lambda d: d.update(structure={"t": "tensor", "id": 99}), "structure refers to tensor 99"),
         (lambda d: d.update(structure={"t": "eval", "v": "__import__('os')"}), "unknown node type 'eval'"),
         (lambda d: d.update(structure={"t": "float", "v": 1.5}), "float node holds a float"),
+        (lambda d: d.update(created_unix=10**400), "'created_unix' .* is not a finite time"),
+        (
+            lambda d: d.update(
+                structure={
+                    "t": "dict",
+                    "items": [[{"t": "tuple", "items": [{"t": "list", "items": []}]}, {"t": "none"}]],
+                }
+            ),
+            "unhashable dict key",
+        ),
     ],
 )
 def test_hostile_manifest_fields(checkpoint: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:

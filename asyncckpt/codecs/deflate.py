@@ -20,7 +20,8 @@ from .rawchunks import decode_chunks
 def _decompress(stream: bytes, raw: int) -> bytes:
     inflater = zlib.decompressobj(wbits=-15)
     try:
-        plain = inflater.decompress(stream, raw)
+        # max_length 0 would mean "unlimited" to zlib: a chunk declared empty may still produce one byte.
+        plain = inflater.decompress(stream, max(raw, 1))
     except zlib.error as exc:
         raise CorruptCheckpointError(f"deflate: chunk does not decode: {exc}") from exc
     if not inflater.eof or inflater.unconsumed_tail:

@@ -40,9 +40,9 @@ from typing import Any
 from .._version import __version__
 from ..codecs import Encoder
 from ..errors import CheckpointError
-from ..layout import apply_retention, checkpoint_name, commit, fsync_dir
+from ..layout import checkpoint_name, commit, fsync_dir
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, write_durably, write_part
+from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -104,8 +104,9 @@ def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, c
     began = time.perf_counter()
     if ctx.rank == 0:
         final = _commit_as_rank0(job, root, tmp, storage, ctx)
-        apply_retention(root, keep_last, protect=final)
-        _sweep_aborted(root, ctx.session)
+        retain_quietly(root, keep_last, protect=final)  # committed: cleanup problems are warnings
+        with contextlib.suppress(OSError):
+            _sweep_aborted(root, ctx.session)
     else:
         final = _wait_for_commit(root, job.step, ctx)
     stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}),
@@ -314,7 +315,7 @@ def rank_part(manifest: Manifest, rank: int, where: str) -> tuple[Manifest, Any,
         raise CheckpointError(f"{where}: not a distributed asyncckpt checkpoint (no {DISTRIBUTED_KEY!r} metadata)")
     if info.get("replicated") is True:
         rank = 0
-    entries = {e.get("rank"): e for e in info["ranks"] if isinstance(e, dict)}
+    entries = {e["rank"]: e for e in info["ranks"] if isinstance(e, dict) and type(e.get("rank")) is int}
     if rank not in entries:
         raise CheckpointError(f"{where}: has no part for rank {rank} (saved by {info.get('world_size')} ranks: "
                               f"{sorted(k for k in entries if isinstance(k, int))})")  # fmt: skip

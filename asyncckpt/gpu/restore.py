@@ -130,7 +130,10 @@ def _decode_window(
         dtype = dtype_from_name(record.dtype, where)
         blob = buffer[record.offset - base : record.offset - base + record.stored_bytes]
         _verify(blob, record, where)
-        raw = torch.empty(record.raw_bytes, dtype=torch.uint8, device=device)
+        try:
+            raw = torch.empty(record.raw_bytes, dtype=torch.uint8, device=device)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError included
+            raise CheckpointError(f"{where}: cannot allocate {record.raw_bytes} bytes on {device}: {exc}") from exc
         out[i] = (
             raw.view(dtype).view(record.shape)
             if record.raw_bytes

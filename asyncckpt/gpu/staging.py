@@ -82,15 +82,19 @@ class DeviceArena:
         cached = self._views.get(slot)
         if cached is not None and cached[0] == signature:
             return slot, cached[1], cached[2]
-        offsets, total = aligned_layout(tensors)
-        if self._slots[slot].numel() < total:
-            self._replace(slot, total)
-        arena = self._slots[slot]
-        typed, raw = [], []
-        for t, offset in zip(tensors, offsets, strict=True):
-            piece = arena[offset : offset + nbytes_of(t)]
-            raw.append(piece)
-            typed.append(piece.view(t.dtype).view(t.shape) if piece.numel() else torch.empty_like(t))
+        try:
+            offsets, total = aligned_layout(tensors)
+            if self._slots[slot].numel() < total:
+                self._replace(slot, total)
+            arena = self._slots[slot]
+            typed, raw = [], []
+            for t, offset in zip(tensors, offsets, strict=True):
+                piece = arena[offset : offset + nbytes_of(t)]
+                raw.append(piece)
+                typed.append(piece.view(t.dtype).view(t.shape) if piece.numel() else torch.empty_like(t))
+        except BaseException:
+            self._free.put(slot)  # out of GPU memory: the slot stays usable for the next save
+            raise
         self._views[slot] = (signature, typed, raw)
         return slot, typed, raw
 
@@ -180,6 +184,8 @@ class GpuStager:
         except BaseException:
             if host_part is not None:
                 host_part.release()
+            if snapshot.on_release is not None:
+                snapshot.on_release()  # the arena slot taken before the failure
             raise
         snapshot.sources = sources
         self._submit(snapshot)

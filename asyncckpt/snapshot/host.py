@@ -44,14 +44,14 @@ class HostSnapshot:
     staging_bytes: int
     _slot: torch.Tensor
     _free: queue.SimpleQueue[torch.Tensor]
-    _copy_done: torch.cuda.Event | None = None
+    _copies_done: list[torch.cuda.Event] = field(default_factory=list)
     _released: bool = field(default=False)
 
     def wait_ready(self) -> None:
-        if self._copy_done is not None:
-            # Device-to-host copies were queued on the caller's stream; wait for them here,
-            # on the worker thread, never on the training thread.
-            self._copy_done.synchronize()
+        # Device-to-host copies were queued on the callers' streams; wait for them here, on the
+        # worker thread, never on the training thread.
+        for event in self._copies_done:
+            event.synchronize()
 
     def gpu_busy_seconds(self) -> float:
         # D2H copies run on the copy engine alongside compute; training kernels are not held up
@@ -94,26 +94,33 @@ class HostStager:
             )
         # The caller holds an in-flight slot, so a free arena slot exists: get() never waits long.
         slot = self._free.get()
-        if slot.numel() < total:
-            del slot  # free the old slot before allocating the larger one
-            slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        staged, any_cuda = [], False
-        for leaf, offset in zip(leaves, offsets, strict=False):
-            src = leaf.tensor
-            nbytes = tensor_bytes(src)
-            raw = slot[offset : offset + nbytes]
-            typed = raw.view(src.dtype).view(src.shape) if nbytes else raw
-            if nbytes:
-                # non_blocking only matters for CUDA sources (pinned destination); CPU copies are synchronous.
-                typed.copy_(src, non_blocking=src.is_cuda)
-            any_cuda = any_cuda or src.is_cuda
-            staged.append(StagedTensor(key=leaf.key, dtype=src.dtype, shape=tuple(src.shape), device=src.device,
-                                       data=raw))  # fmt: skip
-        copy_done = None
-        if any_cuda:
-            copy_done = torch.cuda.Event()
-            copy_done.record()
-        return HostSnapshot(tensors=staged, staging_bytes=total, _slot=slot, _free=self._free, _copy_done=copy_done)
+        try:
+            if slot.numel() < total:
+                slot = torch.empty(0, dtype=torch.uint8)  # free the old slot before allocating the larger one
+                slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+            staged, cuda_devices = [], set()
+            for leaf, offset in zip(leaves, offsets, strict=True):
+                src = leaf.tensor
+                nbytes = tensor_bytes(src)
+                raw = slot[offset : offset + nbytes]
+                if nbytes:
+                    # non_blocking only matters for CUDA sources (pinned destination); CPU copies are synchronous.
+                    raw.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+                if src.is_cuda:
+                    cuda_devices.add(src.device)
+                staged.append(StagedTensor(key=leaf.key, dtype=src.dtype, shape=tuple(src.shape), device=src.device,
+                                           data=raw))  # fmt: skip
+            # A device-to-host copy runs on its source device's current stream: one event per device.
+            copies_done = []
+            for device in cuda_devices:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                copies_done.append(event)
+        except BaseException:
+            self._free.put(slot)  # a failed stage (out of memory, a bad copy) must not lose the slot
+            raise
+        return HostSnapshot(tensors=staged, staging_bytes=total, _slot=slot, _free=self._free,
+                            _copies_done=copies_done)  # fmt: skip
 
     def close(self) -> None:
         while not self._free.empty():
