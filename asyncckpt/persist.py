@@ -8,6 +8,7 @@ checkpoint stays the latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -87,43 +88,50 @@ class WrittenPart:
 
 
 def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Path) -> WrittenPart:
-    """Encode every staged tensor into the new data file ``path``, fsync it, release the snapshot.
+    """Encode every staged tensor into the new data file ``path`` and fsync it. Worker thread.
 
-    Worker thread. The snapshot is released (its staging memory reusable) only once every byte
-    is durable, because a ``none``-coded blob aliases the staging memory.
+    Whatever happens, the snapshot is released (its staging memory reusable) when this returns or
+    raises, and only then, because a ``none``-coded blob aliases the staging memory. On failure the
+    partial data file is removed.
     """
     stages = {"compress": 0.0, "write": 0.0, "fsync": 0.0}
-    snapshot.wait_ready()
-    # A fence snapshot's bytes are live tensors that training overwrites once they are compressed,
-    # so an incompressible blob stays as encoded instead of being re-read raw.
-    stable = getattr(snapshot, "stable", True)
-    writer = storage.open_writer(path)
     try:
-        records, codecs = [], Counter[str]()
-        blobs = encode_all(encoder, snapshot)
-        for staged in snapshot.tensors:
+        snapshot.wait_ready()
+        # A fence snapshot's bytes are live tensors that training overwrites once they are compressed,
+        # so an incompressible blob stays as encoded instead of being re-read raw.
+        stable = getattr(snapshot, "stable", True)
+        writer = storage.open_writer(path)
+        try:
+            records, codecs = [], Counter[str]()
+            blobs = encode_all(encoder, snapshot)
+            for staged in snapshot.tensors:
+                began = time.perf_counter()
+                blob = next(blobs)
+                if blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and stable:
+                    blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
+                digest = blob_checksum(blob)
+                written = time.perf_counter()
+                offset = writer.append(blob.data)  # the writer keeps blob.data alive until it is written
+                stages["compress"] += written - began
+                stages["write"] += time.perf_counter() - written
+                codecs[blob.codec] += 1
+                records.append(TensorRecord(
+                    key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
+                    device=str(staged.device), file=path.name, offset=offset, stored_bytes=blob.stored_bytes,
+                    raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
+                    chunks=[[s, r] for s, r in blob.chunks], checksum=digest,
+                ))  # fmt: skip
             began = time.perf_counter()
-            blob = next(blobs)
-            if blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and stable:
-                blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
-            digest = blob_checksum(blob)
-            written = time.perf_counter()
-            offset = writer.append(blob.data)  # the writer keeps blob.data alive until it is written
-            stages["compress"] += written - began
-            stages["write"] += time.perf_counter() - written
-            codecs[blob.codec] += 1
-            records.append(TensorRecord(
-                key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
-                device=str(staged.device), file=path.name, offset=offset, stored_bytes=blob.stored_bytes,
-                raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
-                chunks=[[s, r] for s, r in blob.chunks], checksum=digest,
-            ))  # fmt: skip
-        began = time.perf_counter()
-        writer.sync()
-        stages["fsync"] = time.perf_counter() - began
+            writer.sync()
+            stages["fsync"] = time.perf_counter() - began
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()  # the file this call created: never leave a partial data file behind
+            raise
+        finally:
+            writer.close()
     finally:
-        writer.close()
-    snapshot.release()
+        snapshot.release()
     return WrittenPart(records=records, codecs=codecs, stage_seconds=stages)
 
 
@@ -169,7 +177,7 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
             publish(tmp, final, replace=replace)
         commit_seconds = time.perf_counter() - began
     except BaseException:
-        job.snapshot.release()
+        # The snapshot is released by write_part, or by the checkpointer's worker if it failed earlier.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     stages = {"snapshot": job.snapshot_seconds, **part.stage_seconds, "commit": commit_seconds}

@@ -128,13 +128,7 @@ def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, stora
         raise RankFailedError(f"step {job.step} was aborted before rank {ctx.rank} wrote: {_reason(marker)}")
     tmp.mkdir(exist_ok=True)  # every rank races to create it; all get the same directory
     data_path = tmp / data_file_name(ctx.rank)
-    try:
-        part = write_part(job.snapshot, encoder, storage, data_path)
-    except BaseException:
-        job.snapshot.release()
-        with contextlib.suppress(OSError):
-            data_path.unlink()
-        raise
+    part = write_part(job.snapshot, encoder, storage, data_path)  # releases the snapshot, cleans up on failure
     own = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__, tensors=part.records,
                    structure=job.structure, metadata={"rank": ctx.rank, "session": ctx.session, "user": job.metadata},
                    io_mode=storage.io_mode)  # fmt: skip

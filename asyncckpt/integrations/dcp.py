@@ -30,7 +30,6 @@ DCP's save thread, so pass ``process_group=`` a separate gloo group there (see d
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import io
@@ -179,10 +178,7 @@ class AsyncCkptWriter(StorageWriter):
         snapshot = _PlanSnapshot(plan.items, planner, claimed, host_only=self._backend.snapshot_mode == "host")
         try:
             part = write_part(snapshot, self._backend.encoder, self._backend.storage, path)
-        except BaseException as exc:
-            snapshot.release()
-            with contextlib.suppress(OSError):
-                path.unlink()
+        except BaseException as exc:  # write_part released the snapshot and removed the partial file
             self.observer.save_failed(exc, 0)
             raise
         results = [
