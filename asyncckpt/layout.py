@@ -48,8 +48,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def temporary_dir(root: Path, step: int) -> Path:
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-    return root / f".tmp-{checkpoint_name(step)}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return root / f".tmp-{checkpoint_name(step)}-{_host_label()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def fsync_dir(path: Path) -> None:
@@ -150,8 +149,7 @@ def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
             raise CheckpointError(
                 f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it"
             )
-        old = final_dir.with_name(f".deleting-{final_dir.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final_dir, old)
+        old = _move_aside(final_dir)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
     if old is not None:
@@ -172,17 +170,34 @@ def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> li
     deleted = []
     for info in committed:
         if info.path not in keep:
-            # Rename first so a reader never sees a half-deleted directory as a checkpoint.
-            doomed = info.path.with_name(f".deleting-{info.path.name}-{uuid.uuid4().hex[:8]}")
-            os.rename(info.path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            delete_checkpoint_dir(info.path)
             deleted.append(info.path)
     return deleted
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename ``path`` to a hidden ``.deleting-*`` name beside it and return that name.
+
+    Rename first, delete after: a reader never sees a half-deleted directory as a checkpoint.
+    """
+    doomed = path.with_name(f".deleting-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    return doomed
+
+
+def delete_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory without it ever looking half-deleted."""
+    shutil.rmtree(_move_aside(path), ignore_errors=True)
+
+
+def _host_label() -> str:
+    """This host's name as it appears in temporary directory names (no ``-`` or ``/``)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
 def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove ``.tmp-*`` directories left by dead processes of this host (a crash mid-save)."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    host = _host_label()
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):

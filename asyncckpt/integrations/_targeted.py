@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
 from ..checkpointer import AsyncCheckpointer
 from ..handle import SaveHandle
+from ..layout import delete_checkpoint_dir
 from ..persist import SaveJob, check_extra_files, persist_to
 from ..result import SaveResult
 
@@ -87,9 +86,7 @@ def remove_checkpoint_dir(path: str | os.PathLike[str]) -> None:
     """Delete a checkpoint directory (renamed aside first, so it never looks half-deleted) or file."""
     target = Path(path)
     if target.is_dir() and not target.is_symlink():
-        doomed = target.with_name(f".deleting-{target.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(target, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        delete_checkpoint_dir(target)
     else:
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
