@@ -86,9 +86,10 @@ def load_tensors(checkpoint: Path, manifest: Manifest, map_location: MapLocation
         from .gpu.restore import decode_on_device
 
         return decode_on_device(checkpoint, manifest, target)
+    places = [destination(record, target, tensor_where(checkpoint, record)) for record in manifest.tensors]
     return [
-        _place(t, rec, target, checkpoint)
-        for t, rec in zip(_decoded_tensors(checkpoint, manifest), manifest.tensors, strict=False)
+        t if place.type == "cpu" else t.to(place)
+        for t, place in zip(_decoded_tensors(checkpoint, manifest), places, strict=True)
     ]
 
 
@@ -136,24 +137,34 @@ def _data_file(checkpoint: Path, name: str) -> tuple[Path, int]:
     return path, info.st_size
 
 
+def check_within_file(record: TensorRecord, file_bytes: int, where: str) -> None:
+    """Raise CorruptCheckpointError if ``record``'s blob does not lie inside its data file."""
+    if record.offset + record.stored_bytes > file_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: blob at offset {record.offset} of {record.stored_bytes} bytes extends past the end "
+            f"of the file ({file_bytes} bytes); the file is truncated"
+        )
+
+
+def tensor_where(checkpoint: Path, record: TensorRecord) -> str:
+    """How errors name a tensor: the checkpoint, its key and its data file."""
+    return f"{checkpoint}: tensor {record.key!r} in {record.file}"
+
+
 def _decoded_tensors(checkpoint: Path, manifest: Manifest) -> Iterator[torch.Tensor]:
     """Yield each tensor of the table, decoded into host memory in its saved dtype and shape."""
     storage: Storage = PosixStorage()
     with ExitStack() as stack:
         readers: dict[str, tuple[BlobReader, int]] = {}
         for record in manifest.tensors:
-            where = f"{checkpoint}: tensor {record.key!r} in {record.file}"
+            where = tensor_where(checkpoint, record)
             if record.file not in readers:
                 path, size = _data_file(checkpoint, record.file)
                 reader = storage.open_reader(path)
                 stack.callback(reader.close)
                 readers[record.file] = (reader, size)
             reader, size = readers[record.file]
-            if record.offset + record.stored_bytes > size:
-                raise CorruptCheckpointError(
-                    f"{where}: blob at offset {record.offset} of {record.stored_bytes} bytes extends past the end "
-                    f"of the file ({size} bytes); the file is truncated"
-                )
+            check_within_file(record, size, where)
             blob = reader.read(record.offset, record.stored_bytes)
             _check_blob(blob, record, where)
             yield _decode(blob, record, where)
@@ -180,18 +191,25 @@ def _decode(blob: torch.Tensor, record: TensorRecord, where: str) -> torch.Tenso
     return out.view(dtype).view(record.shape)
 
 
-def _place(tensor: torch.Tensor, record: TensorRecord, target: torch.device | None, path: Path) -> torch.Tensor:
+def destination(record: TensorRecord, target: torch.device | None, where: str) -> torch.device:
+    """The device a tensor is restored to: ``map_location`` if given, else where it was saved from."""
     try:
         device = target if target is not None else torch.device(record.device)
     except RuntimeError as exc:
-        raise CorruptCheckpointError(f"{path}: tensor {record.key!r}: invalid device {record.device!r}") from exc
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(
-            f"{path}: tensor {record.key!r} was saved from {record.device} but CUDA is not available here; "
-            "pass map_location='cpu'"
-        )
-    if device.type not in ("cuda",):
-        raise CheckpointError(f"{path}: cannot place tensor {record.key!r} on {device}")
-    return tensor.to(device)
+        raise CorruptCheckpointError(f"{where}: invalid device {record.device!r}") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise CheckpointError(
+                f"{where}: was saved from {record.device} but CUDA is not available here; pass map_location='cpu'"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise CheckpointError(
+                f"{where}: saved from {device}, but this machine has {count} CUDA device(s); "
+                "pass map_location='cuda:0' (or 'cpu')"
+            )
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise CheckpointError(f"{where}: cannot place a tensor on {device}")
+    return device

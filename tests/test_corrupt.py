@@ -158,3 +158,14 @@ def test_missing_data_file(checkpoint: Path) -> None:
     (checkpoint / "data-0.bin").unlink()
     with pytest.raises(asyncckpt.CorruptCheckpointError, match="'data-0.bin' named in the manifest is missing"):
         asyncckpt.verify(checkpoint)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_tensors_on_a_cpu_only_machine_need_map_location(checkpoint: Path) -> None:
+    _edit_manifest(checkpoint, _tensor0("device", "cuda:0"))
+    with pytest.raises(asyncckpt.CheckpointError, match="CUDA is not available here; pass map_location='cpu'"):
+        asyncckpt.load(checkpoint)
+    assert asyncckpt.load(checkpoint, map_location="cpu")["step"] == 1
+    _edit_manifest(checkpoint, _tensor0("device", "tpu:0"))
+    with pytest.raises(asyncckpt.CheckpointError, match="cannot place a tensor on tpu:0|invalid device"):
+        asyncckpt.load(checkpoint)
