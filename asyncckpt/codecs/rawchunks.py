@@ -28,6 +28,8 @@ def checked_planes(codec: str, params: Mapping[str, Any]) -> int:
     planes = params.get("planes", 1)
     if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
         raise CorruptCheckpointError(f"{codec}: invalid planes parameter {planes!r}")
+    if params.get("planes_span", "chunk") != "chunk":  # tensor-wide planes are a GPU-only layout (ANS)
+        raise CorruptCheckpointError(f"{codec}: invalid planes_span parameter {params['planes_span']!r}")
     return planes
 
 

@@ -20,8 +20,9 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from . import batch
-from .planes import join_into
+from .planes import join_into, join_tensor_into, plane_stride
 from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
+from .staging import aligned_offsets
 
 _local = threading.local()
 
@@ -113,6 +114,14 @@ def decode_many(spec: CodecSpec, items: Sequence[DecodeItem]) -> None:
                 for _s, r in item.chunks:
                     dst_offsets.append(at)
                     at += r
+        elif spec.planes_span == "tensor":
+            sizes = [spec.planes * plane_stride(item.out.numel(), spec.planes) for item in items]
+            starts, total = aligned_offsets(sizes)
+            planar = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            dst_span = batch.DeviceSpan(planar.data_ptr(), total, typestr)
+            dst_offsets = []
+            for item, start in zip(items, starts, strict=True):
+                dst_offsets += [start + offset for offset in _wide_chunk_offsets(item, spec.planes)]
         else:
             total = sum(item.out.numel() for item in items)
             planar = torch.empty(total, dtype=torch.uint8, device=device)
@@ -128,7 +137,10 @@ def decode_many(spec: CodecSpec, items: Sequence[DecodeItem]) -> None:
         except CorruptCheckpointError as exc:
             names = ", ".join(item.where for item in items[:3])
             raise CorruptCheckpointError(f"{names}{' ...' if len(items) > 3 else ''}: {exc}") from exc
-        if planar is not None:
+        if planar is not None and spec.planes_span == "tensor":
+            for item, start, size in zip(items, starts, sizes, strict=True):
+                join_tensor_into(planar[start : start + size], item.out, spec.planes)
+        elif planar is not None:
             at = 0
             for item in items:
                 n = item.out.numel()
@@ -136,6 +148,26 @@ def decode_many(spec: CodecSpec, items: Sequence[DecodeItem]) -> None:
                 at += n
         stream.synchronize()
         del keep
+
+
+def _wide_chunk_offsets(item: DecodeItem, planes: int) -> list[int]:
+    """Where each chunk of a tensor-wide split goes in its planar rows; every chunk must lie
+    inside one plane and the planes must be filled exactly (hostile input otherwise)."""
+    nbytes = item.out.numel()
+    if nbytes % planes:
+        raise CorruptCheckpointError(f"{item.where}: {nbytes} bytes are not whole {planes}-byte items")
+    items, stride = nbytes // planes, plane_stride(nbytes, planes)
+    offsets, plane, at = [], 0, 0
+    for _s, r in item.chunks:
+        if plane >= planes or at + r > items:
+            raise CorruptCheckpointError(f"{item.where}: a chunk crosses a plane boundary")
+        offsets.append(plane * stride + at)
+        at += r
+        if at == items:
+            plane, at = plane + 1, 0
+    if plane != planes and items:
+        raise CorruptCheckpointError(f"{item.where}: chunks do not fill the {planes} planes")
+    return offsets
 
 
 def _join(planar: torch.Tensor, item: DecodeItem, planes: int) -> None:

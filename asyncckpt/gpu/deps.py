@@ -42,6 +42,11 @@ def kvikio() -> Any:
     return module
 
 
+def cupy() -> Any:
+    """The ``cupy`` module (``cupy-cuda12x``/``-cuda13x``): compiles the few kernels torch lacks."""
+    return _load("cupy", "GPU checksums and chunk packing (CuPy)")
+
+
 def require_cuda(what: str) -> torch.device:
     """The current CUDA device; raises CheckpointError naming ``what`` when CUDA is absent."""
     if not torch.cuda.is_available():
@@ -59,6 +64,7 @@ def gpu_path_available() -> bool:
     try:
         nvcomp()
         kvikio()
+        cupy()
     except MissingDependencyError:
         return False
     return True

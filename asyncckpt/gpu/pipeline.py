@@ -34,16 +34,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..codecs import EncodedBlob
 from ..snapshot import Snapshot, StagedTensor
-from . import batch
+from . import batch, kernels
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
-from .planes import split_into
+from .planes import plane_chunks, plane_stride, split_into, split_tensor_into
 from .snapshot import GpuSnapshot, Group
 from .specs import CodecSpec
-from .staging import TINY_BYTES, aligned_layout
+from .staging import TINY_BYTES, aligned_layout, aligned_offsets
 
 log = logging.getLogger("asyncckpt")
 
@@ -52,6 +53,8 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 """Raw bytes per nvCOMP chunk (RAW mode encodes each chunk as one frame)."""
 DEFAULT_GROUP_BYTES = 256 << 20
 """Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group of its own)."""
+PACK_ALIGN_BYTES = 16
+"""Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Compressed bytes that may wait for the writer before the compressor pauses (not in fence mode)."""
 
@@ -262,12 +265,20 @@ class GpuEncoder:
             sources = [on_device[p] for p in positions]
             typestr = batch.typestr_for(spec)
             alignment = batch.required_alignment(spec, self.stream, chunk)
-            if spec.planes > 1 or any(t.data_ptr() % alignment for t in sources):
-                offsets, total = aligned_layout(sources)
+            wide = spec.planes > 1 and spec.planes_span == "tensor"
+            if wide:  # each plane its own aligned row, cut into chunks of its own
+                sizes = [spec.planes * plane_stride(t.numel(), spec.planes) for t in sources]
+                bases, total = aligned_offsets(sizes)
+                planar = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
+                for t, start, size in zip(sources, bases, sizes, strict=True):
+                    split_tensor_into(t, planar[start : start + size], spec.planes)
+                span, keep = batch.DeviceSpan(planar.data_ptr(), total, typestr), [planar]
+            elif spec.planes > 1 or any(t.data_ptr() % alignment for t in sources):
+                bases, total = aligned_layout(sources)
                 planar = torch.empty(total, dtype=torch.uint8, device=self.device)
-                for t, offset in zip(sources, offsets, strict=True):
+                for t, offset in zip(sources, bases, strict=True):
                     split_into(t, planar[offset : offset + t.numel()], chunk, spec.planes)
-                span, bases, keep = batch.DeviceSpan(planar.data_ptr(), total, typestr), offsets, [planar]
+                span, keep = batch.DeviceSpan(planar.data_ptr(), total, typestr), [planar]
             else:
                 span, base = batch.span_of(sources, typestr)
                 bases, keep = [t.data_ptr() - base for t in sources], sources
@@ -276,9 +287,14 @@ class GpuEncoder:
             ranges = []
             for t, start in zip(sources, bases, strict=True):
                 first = len(raw_sizes)
-                for k, n in enumerate(batch.split_chunks(t.numel(), chunk)):
-                    chunk_offsets.append(start + k * chunk)
-                    raw_sizes.append(n)
+                if wide:
+                    for offset, n in plane_chunks(t.numel(), spec.planes, chunk):
+                        chunk_offsets.append(start + offset)
+                        raw_sizes.append(n)
+                else:
+                    for k, n in enumerate(batch.split_chunks(t.numel(), chunk)):
+                        chunk_offsets.append(start + k * chunk)
+                        raw_sizes.append(n)
                 ranges.append((first, len(raw_sizes)))
             pending = batch.encode(spec, span, chunk_offsets, raw_sizes, self.stream, chunk, keep)
             work.pendings.append((positions, ranges, pending))
@@ -314,27 +330,24 @@ class GpuEncoder:
                 self.chooser.chose(staged.key, staged.dtype, best.spec)
                 stats.probed += 1
             chosen.append(best)
-        total = sum(o.stored for o in chosen)
-        packed = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
-        targets, sources, spans = [], [], []
-        position = 0
+        # Each blob starts 16-byte aligned in `packed` (the checksum kernel reads whole words);
+        # its chunks follow back to back, exactly as they go to the file.
+        starts, position = [], 0
         for option in chosen:
-            start = position
-            for i in range(option.first, option.end):
-                piece = option.pending.chunk(i)
-                if piece.numel():
-                    targets.append(packed[position : position + piece.numel()])
-                    sources.append(piece)
-                    position += piece.numel()
-            spans.append((start, position))
-        if targets:
-            torch._foreach_copy_(targets, sources)
+            starts.append(position)
+            position += (option.stored + PACK_ALIGN_BYTES - 1) // PACK_ALIGN_BYTES * PACK_ALIGN_BYTES
+        packed = torch.empty(max(position, 1), dtype=torch.uint8, device=self.device)
+        spans = [(start, start + option.stored) for start, option in zip(starts, chosen, strict=True)]
+        from_addresses, to_addresses, lengths = _copy_table(chosen, starts, packed.data_ptr())
+        table_on_device = kernels.copy_ranges(from_addresses, to_addresses, lengths, self.device, self.stream)
         packed_done = torch.cuda.Event()
         packed_done.record(self.stream)
         packed_done.synchronize()  # KvikIO and the checksum read the packed bytes from other streams
+        del table_on_device
+        total = sum(o.stored for o in chosen)
         blobs: Group = []
         for (index, staged), option, (start, end) in zip(work.items, chosen, spans, strict=True):
-            sizes = option.pending.sizes()
+            sizes, lo, hi = option.pending.sizes(), option.first, option.end
             blobs.append(
                 (
                     index,
@@ -342,7 +355,7 @@ class GpuEncoder:
                         data=packed[start:end],
                         codec=option.spec.codec,
                         params=option.spec.params(),
-                        chunks=[(sizes[i], option.pending.raw_sizes[i]) for i in range(option.first, option.end)],
+                        chunks=list(zip(sizes[lo:hi], option.pending.raw_sizes[lo:hi], strict=True)),
                     ),
                 )
             )
@@ -357,3 +370,20 @@ class GpuEncoder:
             stats.stored_bytes += n
         blobs.sort(key=lambda pair: pair[0])
         return blobs, total
+
+
+def _copy_table(
+    chosen: Sequence[_Option], starts: Sequence[int], packed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Source addresses, destination addresses and sizes of every kept chunk (numpy, no per-chunk Python)."""
+    sources, targets, sizes = [], [], []
+    for option, start in zip(chosen, starts, strict=True):
+        pending = option.pending
+        stored = np.asarray(pending.sizes()[option.first : option.end], dtype=np.int64)
+        offsets = np.asarray(pending.out_offsets[option.first : option.end], dtype=np.int64)
+        sources.append(pending.out.data_ptr() + offsets)
+        targets.append(packed + start + np.concatenate(([0], np.cumsum(stored)[:-1])))
+        sizes.append(stored)
+    if not sizes:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(sources), np.concatenate(targets), np.concatenate(sizes)

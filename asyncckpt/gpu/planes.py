@@ -5,6 +5,9 @@ become ``a0 b0 ... | a1 b1 ... | ...`` — exactly :func:`asyncckpt.codecs.plane
 to that chunk, so a chunk split here and compressed with zstd, lz4 or deflate decodes on a
 CPU. All full-size chunks of a tensor move in one strided copy kernel, the tail chunk in one
 more. Kernels run on the current stream of the calling thread.
+
+The tensor-wide split (``planes_span="tensor"``, GPU-only) splits a whole tensor once, each
+plane in its own 16-byte aligned row, and cuts each plane into chunks of its own.
 """
 
 from __future__ import annotations
@@ -42,3 +45,31 @@ def _move(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, planes: int, s
             b.view(count, planes, items).copy_(a.view(count, items, planes).transpose(1, 2))
         else:
             b.view(count, items, planes).copy_(a.view(count, planes, items).transpose(1, 2))
+
+
+# ------------------------------------------------------------------ planes spanning a whole tensor
+def plane_stride(nbytes: int, planes: int) -> int:
+    """Bytes from one plane's start to the next in a tensor-wide split (16-byte aligned starts)."""
+    return (nbytes // planes + 15) // 16 * 16
+
+
+def plane_chunks(nbytes: int, planes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset in the split buffer, raw size) of every chunk of a tensor-wide split: each plane
+    is cut into chunks of its own, so no chunk mixes two planes (each gets its own ANS table)."""
+    items, stride = nbytes // planes, plane_stride(nbytes, planes)
+    full, rest = divmod(items, chunk_bytes)
+    sizes = [chunk_bytes] * full + ([rest] if rest else [])
+    return [(p * stride + k * chunk_bytes, n) for p in range(planes) for k, n in enumerate(sizes)]
+
+
+def split_tensor_into(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
+    """Byte ``j`` of every element of ``src`` (1-D uint8) into plane ``j`` of ``dst`` (``planes``
+    rows of :func:`plane_stride` bytes; the padding is left as it is). One strided copy kernel."""
+    items = src.numel() // planes
+    dst.view(planes, plane_stride(src.numel(), planes))[:, :items].copy_(src.view(items, planes).t())
+
+
+def join_tensor_into(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
+    """Inverse of :func:`split_tensor_into`."""
+    items = dst.numel() // planes
+    dst.view(items, planes).copy_(src.view(planes, plane_stride(dst.numel(), planes))[:, :items].t())

@@ -56,6 +56,11 @@ class CodecSpec:
     """nvCOMP ``data_type`` ('' when the algorithm takes none)."""
     planes: int = 1
     """Byte planes each chunk is split into before encoding (1: none)."""
+    planes_span: str = "chunk"
+    """What a plane spans: ``"chunk"`` (each chunk split on its own: the CPU codecs' layout) or
+    ``"tensor"`` (the whole tensor split once, then cut into chunks, so nearly every chunk holds
+    one plane and gets its own ANS table: a plane of constant bytes then costs almost nothing,
+    where mixed with the other planes in one chunk it shares their table). GPU-only."""
 
     @property
     def algorithm(self) -> str:
@@ -64,6 +69,8 @@ class CodecSpec:
     def params(self) -> dict[str, Any]:
         """The manifest's ``codec_params``."""
         out: dict[str, Any] = {"planes": self.planes}
+        if self.planes_span != "chunk":  # written only when used: byte planes per chunk read as before
+            out["planes_span"] = self.planes_span
         if self.data_type:
             out["data_type"] = self.data_type
         return out
@@ -72,7 +79,8 @@ class CodecSpec:
         return {"data_type": self.data_type} if self.data_type else {}
 
     def __str__(self) -> str:
-        return f"{self.codec}[{self.data_type or '-'}]/p{self.planes}"
+        span = "t" if self.planes_span == "tensor" else ""
+        return f"{self.codec}[{self.data_type or '-'}]/p{self.planes}{span}"
 
 
 def spec_from_manifest(codec: str, params: Mapping[str, Any], where: str) -> CodecSpec:
@@ -80,12 +88,15 @@ def spec_from_manifest(codec: str, params: Mapping[str, Any], where: str) -> Cod
     if codec not in ALGORITHMS:
         raise CorruptCheckpointError(f"{where}: {codec!r} is not an nvCOMP codec")
     planes = params.get("planes", 1)
+    planes_span = params.get("planes_span", "chunk")
     data_type = params.get("data_type", "")
     if type(planes) is not int or planes not in (1, 2, 4, 8, 16):
         raise CorruptCheckpointError(f"{where}: invalid planes parameter {planes!r}")
+    if planes_span not in ("chunk", "tensor"):
+        raise CorruptCheckpointError(f"{where}: invalid planes_span parameter {planes_span!r}")
     if not isinstance(data_type, str) or data_type not in _DATA_TYPES:
         raise CorruptCheckpointError(f"{where}: invalid data_type parameter {data_type!r}")
-    return CodecSpec(codec, data_type, planes)
+    return CodecSpec(codec, data_type, planes, planes_span)
 
 
 def _is_float(dtype: torch.dtype) -> bool:
@@ -122,17 +133,20 @@ def auto_candidates(dtype: torch.dtype) -> tuple[CodecSpec, ...]:
 
     Only codecs that run at a few hundred GB/s on an H200 (ANS, Bitcomp; Cascaded for integers):
     the whole point of compressing on the GPU is that it hides behind storage. Floats get ANS
-    with the float-aware type on whole words, ANS on byte planes (FP32 gradients made under BF16
-    autocast have near-constant low bytes, which planes expose) and Bitcomp on whole words.
-    Zstd, LZ4, Deflate and GDeflate run at ~10-90 GB/s and stay explicit choices.
+    with the float-aware type on whole words, ANS on byte planes that span the tensor, and
+    Bitcomp on whole words. Tensor-wide planes are what let ANS beat nvCOMP Zstd (measured on
+    the H200, real state): FP32 gradients made under BF16 autocast (near-constant low bytes)
+    2.87x against 2.81x, FP32 ``exp_avg_sq`` 1.223x against 1.217x, BF16 ``exp_avg_sq`` 1.572x
+    against 1.553x; per-chunk planes got 2.42x, 1.19x and 1.47x. Zstd, LZ4, Deflate and
+    GDeflate run at ~4-90 GB/s and stay explicit choices.
     """
     size = dtype.itemsize
     floating = _is_float(dtype)
     if floating and size in (2, 4):
-        return (CodecSpec("ans", f"<f{size}"), CodecSpec("ans", "|u1", size), spec_for("bitcomp", dtype))
+        return (CodecSpec("ans", f"<f{size}"), CodecSpec("ans", "|u1", size, "tensor"), spec_for("bitcomp", dtype))
     candidates = [CodecSpec("ans", "|u1")]
     if size in (2, 4, 8, 16):
-        candidates.append(CodecSpec("ans", "|u1", size))
+        candidates.append(CodecSpec("ans", "|u1", size, "tensor"))
     if size in (1, 2, 4, 8):
         candidates.append(spec_for("bitcomp", dtype))
         if not floating:

@@ -65,6 +65,33 @@ def test_every_codec_round_trips_every_dtype_on_the_gpu(codec: str, tensors: dic
         encoder.close()
 
 
+def test_tensor_wide_planes_round_trip_and_beat_per_chunk_planes_on_autocast_grads(
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    from asyncckpt.gpu.decoders import DecodeItem, decode_many
+
+    encoder = GpuEncoder("auto", torch.device("cuda", torch.cuda.current_device()), chunk_bytes=1 << 16)
+    try:
+        for name, tensor in tensors.items():
+            if not tensor.dtype.is_floating_point:
+                continue
+            raw = _bytes(tensor)
+            sizes = {}
+            for span in ("chunk", "tensor"):
+                spec = CodecSpec("ans", "|u1", tensor.element_size(), span)
+                encoder.chooser.chose(name, tensor.dtype, spec)  # force the spec for this key
+                blob = encoder.encode(raw, tensor.dtype, name)
+                assert blob.params == spec.params(), name
+                out = torch.empty_like(raw)
+                decode_many(spec, [DecodeItem(blob.data, blob.chunks, out, name)])
+                assert torch.equal(out, raw), f"{name} {span}"
+                sizes[span] = blob.stored_bytes
+            if name == "fp32_grad_autocast":  # a plane of near-constant bytes gets its own ANS table
+                assert sizes["tensor"] < sizes["chunk"], sizes
+    finally:
+        encoder.close()
+
+
 def test_auto_keeps_the_smallest_candidate_and_remembers_it(tensors: dict[str, torch.Tensor]) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     auto, ans, bitcomp = GpuEncoder("auto", device), GpuEncoder("ans", device), GpuEncoder("bitcomp", device)
@@ -89,8 +116,8 @@ def test_auto_keeps_the_smallest_candidate_and_remembers_it(tensors: dict[str, t
         bitcomp.close()
 
 
-@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096, (1 << 20) + 3])
-@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096, (1 << 20) + 3, (1 << 27) + 5])  # the last: many blocks
+@pytest.mark.parametrize("offset", [0, 3, 8])
 def test_device_checksum_equals_the_host_checksum(size: int, offset: int) -> None:
     gen = torch.Generator().manual_seed(size)
     host = torch.randint(0, 256, (size + offset,), dtype=torch.uint8, generator=gen)

@@ -16,11 +16,9 @@ from conftest import run_python, small_training_state
 from gpu_env import subprocess_env
 
 import asyncckpt
-from asyncckpt.checksum import mix64_host
 from asyncckpt.cli import main as cli
 from asyncckpt.codecs import get_decoder, planes
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.gpu.checksum import _mix_words
 from asyncckpt.gpu.planes import join_into, split_into
 from asyncckpt.gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
 from asyncckpt.manifest import MANIFEST_NAME
@@ -115,16 +113,6 @@ def test_cpu_decoders_reject_corrupt_and_missized_chunks(codec: str) -> None:
         decoder.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), chunks, {"planes": 3}, out)
 
 
-@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096, 123_457])
-def test_device_checksum_arithmetic_matches_the_host_definition(size: int) -> None:
-    # The GPU kernels are these int64 tensor ops; on the CPU they must give mix64_host's value.
-    gen = torch.Generator().manual_seed(size)
-    buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
-    padded = torch.cat([buf, torch.zeros(-size % 8, dtype=torch.uint8)])
-    total = int(_mix_words(padded.view(torch.int64), 0)) if size else 0
-    assert f"{(total & (2**64 - 1)) ^ size:016x}" == mix64_host(buf.numpy())
-
-
 @pytest.mark.parametrize("planes_count", [2, 4, 8])
 def test_device_plane_layout_is_the_cpu_layout_per_chunk(planes_count: int) -> None:
     gen = torch.Generator().manual_seed(planes_count)
@@ -140,18 +128,65 @@ def test_device_plane_layout_is_the_cpu_layout_per_chunk(planes_count: int) -> N
     assert torch.equal(back, raw)
 
 
+@pytest.mark.parametrize("nbytes", [4, 4096 * 4, 4096 * 4 * 3 + 12])
+def test_tensor_wide_planes_cut_each_plane_into_its_own_chunks(nbytes: int) -> None:
+    from asyncckpt.gpu.decoders import DecodeItem, _wide_chunk_offsets
+    from asyncckpt.gpu.planes import join_tensor_into, plane_chunks, plane_stride, split_tensor_into
+
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    stride = plane_stride(nbytes, 4)
+    assert stride % 16 == 0 and stride >= nbytes // 4
+    split = torch.zeros(4 * stride, dtype=torch.uint8)
+    split_tensor_into(raw, split, 4)
+    for j in range(4):  # row j holds byte j of every element
+        assert torch.equal(split[j * stride : j * stride + nbytes // 4], raw[j::4])
+    chunks = plane_chunks(nbytes, 4, 4096)
+    assert sum(n for _o, n in chunks) == nbytes and all(o // stride == (o + n - 1) // stride for o, n in chunks)
+    item = DecodeItem(torch.empty(0), [(1, n) for _o, n in chunks], torch.empty(nbytes, dtype=torch.uint8), "t")
+    assert _wide_chunk_offsets(item, 4) == [o for o, _n in chunks]  # the decoder finds the same places
+    back = torch.empty_like(raw)
+    join_tensor_into(split, back, 4)
+    assert torch.equal(back, raw)
+    if len(chunks) > 1:  # hostile tables: a chunk across a plane boundary, planes not filled
+        per = len(chunks) // 4  # chunks per plane: merge the last of plane 0 with the first of plane 1
+        sizes = [n for _o, n in chunks]
+        merged = [(1, n) for n in [*sizes[: per - 1], sizes[per - 1] + sizes[per], *sizes[per + 1 :]]]
+        bad = [DecodeItem(item.blob, merged, item.out, "t"), DecodeItem(item.blob, item.chunks[:-1], item.out, "t")]
+        for hostile in bad:
+            with pytest.raises(CorruptCheckpointError, match="plane"):
+                _wide_chunk_offsets(hostile, 4)
+
+
 def test_specs_follow_the_documented_choices() -> None:
     assert spec_for("ans", torch.bfloat16) == CodecSpec("ans", "<f2")
     assert spec_for("ans", torch.float32) == CodecSpec("ans", "<f4")
     assert spec_for("ans", torch.int64) == CodecSpec("ans", "|u1")
     assert spec_for("zstd", torch.float32).planes == 4 and spec_for("zstd", torch.int32).planes == 1
     assert spec_for("bitcomp", torch.float16) == CodecSpec("bitcomp", "<f2")
-    assert CodecSpec("ans", "|u1", 4) in auto_candidates(torch.float32)
-    for params in ({"planes": 3}, {"planes": "4"}, {"planes": 1, "data_type": "<f3"}, {"planes": 1, "data_type": 5}):
+    wide = CodecSpec("ans", "|u1", 4, "tensor")
+    assert wide in auto_candidates(torch.float32) and CodecSpec("ans", "|u1", 2, "tensor") in auto_candidates(
+        torch.bfloat16
+    )
+    assert spec_from_manifest("ans", wide.params(), "test") == wide
+    assert "planes_span" not in spec_for("zstd", torch.float32).params()  # per-chunk planes read as before
+    hostile = [{"planes": 3}, {"planes": "4"}, {"planes": 1, "data_type": "<f3"}, {"planes": 1, "data_type": 5}]
+    hostile += [
+        {"planes": 2, "planes_span": "file"},
+        {"planes": 2, "planes_span": 1},
+        {"planes": 2, "planes_span": None},
+    ]
+    for params in hostile:
         with pytest.raises(CorruptCheckpointError):
             spec_from_manifest("ans", params, "test")
     with pytest.raises(CorruptCheckpointError):
         spec_from_manifest("snappy", {}, "test")
+    with pytest.raises(CorruptCheckpointError, match="planes_span"):  # the CPU decoders know per-chunk planes only
+        get_decoder("zstd", "test").decode(
+            torch.zeros(8, dtype=torch.uint8),
+            [(8, 8)],
+            {"planes": 2, "planes_span": "tensor"},
+            torch.empty(8, dtype=torch.uint8),
+        )
 
 
 def _forge_codec(checkpoint: Path, codec: str) -> None:

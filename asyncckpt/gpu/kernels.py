@@ -1,0 +1,145 @@
+"""Two CUDA kernels that torch has no single operation for: the ``mix64`` sum and a batched copy.
+
+Both run while training runs, so their cost is training time: before these kernels the mix64
+checksum took a dozen int64 torch operations per word (about 100 ms of GPU time for a 16 GB
+checkpoint) and packing a group's compressed chunks took a Python view per chunk (a 1 MiB chunk
+size gives ~16,000 per 16 GB, ~150 ms of Python holding the GIL that the training thread needs
+to launch its kernels). Each is now one kernel launch per call.
+
+``mix64_words``
+    The finalised-word sum of :func:`asyncckpt.checksum.mix64_host`, in one pass over the
+    buffer (~3.3 TB/s on an H200); the caller XORs in the size.
+``copy_ranges``
+    ``dst_ptrs[i][0:sizes[i]] = src_ptrs[i][0:sizes[i]]`` for every i, in one launch: one
+    block column per range, 32-bit stores at any byte alignment.
+
+Compiled once per process with NVRTC through CuPy (part of the GPU extra) and launched through
+the driver on the stream the caller passes; nothing here waits for the GPU except :func:`mix64_sum`,
+which returns the value to the host. Any thread may call; CuPy's kernel objects are
+thread-safe once compiled, and compilation is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .deps import cupy
+
+_SOURCE = r"""
+typedef unsigned long long u64;
+
+extern "C" __global__ void mix64_words(const unsigned char* buf, u64 nbytes, u64 first_word, u64* out) {
+    // buf is 8-byte aligned; the last word is zero-padded, as in the definition.
+    const u64 words = (nbytes + 7) / 8;
+    const u64* whole = (const u64*)buf;
+    u64 acc = 0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        u64 w;
+        if (8 * i + 8 <= nbytes) {
+            w = whole[i];
+        } else {
+            w = 0;
+            for (u64 b = 8 * i; b < nbytes; ++b) w |= (u64)buf[b] << (8 * (b - 8 * i));
+        }
+        u64 x = (first_word + i) * 0x9E3779B97F4A7C15ULL ^ w;
+        x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ULL;
+        x ^= x >> 27; x *= 0x94D049BB133111EBULL;
+        x ^= x >> 31;
+        acc += x;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}
+
+extern "C" __global__ void copy_ranges(const u64* src_ptrs, const u64* dst_ptrs, const u64* sizes) {
+    // blockIdx.x: the range; blockIdx.y: this block's share of it.
+    const u64 n = sizes[blockIdx.x];
+    const unsigned char* s = (const unsigned char*)src_ptrs[blockIdx.x];
+    unsigned char* d = (unsigned char*)dst_ptrs[blockIdx.x];
+    const u64 start = blockIdx.y * (u64)blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.y * blockDim.x;
+    u64 head = (4 - ((u64)d & 3)) & 3;  // bytes until the destination is 4-byte aligned
+    if (head > n) head = n;
+    if (start < head) d[start] = s[start];
+    const u64 words = (n - head) / 4;
+    unsigned int* dw = (unsigned int*)(d + head);
+    const unsigned char* sh = s + head;
+    for (u64 i = start; i < words; i += stride) {
+        const unsigned char* p = sh + 4 * i;  // byte loads: the source may have any alignment
+        dw[i] = p[0] | (p[1] << 8) | (p[2] << 16) | ((unsigned int)p[3] << 24);
+    }
+    const u64 done = head + 4 * words;
+    if (start < n - done) d[done + start] = s[done + start];
+}
+"""
+
+_BLOCK = 256
+_MIX_BLOCKS = 2048
+_COPY_BLOCKS_PER_RANGE = 16
+_module: Any = None
+_lock = threading.Lock()
+
+
+def _kernel(name: str) -> Any:
+    global _module
+    with _lock:
+        if _module is None:
+            _module = cupy().RawModule(code=_SOURCE, options=("--std=c++17",))
+        return _module.get_function(name)
+
+
+def _launch(name: str, stream: torch.cuda.Stream, grid: tuple[int, int], args: tuple[int, ...]) -> None:
+    """Launch kernel ``name`` on ``stream`` itself (its handle goes to the driver; no ambient
+    current-stream state of CuPy is involved). Every kernel parameter is a 64-bit integer."""
+    cp = cupy()
+    function = _kernel(name).kernel  # compiled for the current device on first use
+    values = [ctypes.c_uint64(a) for a in args]
+    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    cp.cuda.driver.launchKernel(
+        function.ptr, grid[0], grid[1], 1, _BLOCK, 1, 1, 0, stream.cuda_stream, ctypes.addressof(pointers), 0
+    )
+
+
+def mix64_sum(buf: torch.Tensor, stream: torch.cuda.Stream) -> int:
+    """Sum mod 2**64 of the finalised words of ``buf`` (1-D uint8, CUDA, 8-byte aligned start).
+
+    Enqueued on ``stream``; blocks the calling thread until the value is on the host.
+    """
+    if buf.data_ptr() % 8:
+        raise ValueError("mix64_sum needs an 8-byte aligned buffer")
+    words = -(-buf.numel() // 8)
+    grid = (max(1, min(_MIX_BLOCKS, -(-words // _BLOCK))), 1)
+    with torch.cuda.stream(stream):
+        # Allocated on `stream`: a block from the caller's stream's pool may still be in use by
+        # kernels queued there (training's), which this stream does not wait for.
+        total = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        with torch.cuda.device(buf.device):
+            _launch("mix64_words", stream, grid, (buf.data_ptr(), buf.numel(), 0, total.data_ptr()))
+        return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def copy_ranges(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray, device: torch.device,
+                stream: torch.cuda.Stream) -> torch.Tensor:  # fmt: skip
+    """Enqueue ``dst[i][:sizes[i]] = src[i][:sizes[i]]`` for all i on ``stream`` (device addresses).
+
+    ``count`` may be up to 2**31 - 1 (the grid's x limit). Returns the device table the kernel
+    reads; the caller keeps it (and every source and destination) alive until the stream has
+    passed the copy. Does not wait for the GPU.
+    """
+    count = len(sizes)
+    if not count:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    table = np.stack([src_ptrs, dst_ptrs, sizes]).astype(np.uint64).view(np.int64)
+    with torch.cuda.stream(stream):
+        # A pageable host-to-device copy returns once the driver has taken the bytes: `table` may go.
+        on_device = torch.from_numpy(table).to(device, non_blocking=True)
+        per_range = max(1, min(_COPY_BLOCKS_PER_RANGE, -(-int(sizes.max()) // (4 * _BLOCK))))
+        base = on_device.data_ptr()  # rows: source addresses, destination addresses, sizes
+        with torch.cuda.device(device):
+            _launch("copy_ranges", stream, (count, per_range), (base, base + 8 * count, base + 16 * count))
+    return on_device

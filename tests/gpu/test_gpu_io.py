@@ -1,0 +1,55 @@
+"""The two GPU I/O helpers below the pipeline: the pinned POSIX reader a compat-mode restore uses,
+and the batched range copy that packs compressed chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gpu_env import requires_gpu
+
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.gpu import kernels, storage
+
+pytestmark = requires_gpu
+
+
+def test_pinned_reader_reads_exact_ranges_across_pieces_and_reports_a_short_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage, "STAGED_READ_PIECE_BYTES", 4096)  # many pieces: both pinned buffers reused
+    data = np.random.default_rng(3).integers(0, 256, 50_000, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data.tobytes())
+    device = torch.device("cuda", torch.cuda.current_device())
+    reader = storage.PinnedPosixReader(path, device)
+    try:
+        requests = [(0, 50_000), (123, 9_000), (40_961, 9_039), (7, 0)]
+        started = [(offset, size, *reader.read_async(offset, size)) for offset, size in requests]
+        for offset, size, out, future in started:  # queued together, finished in order
+            reader.finish(future, offset, size)
+            assert out.is_cuda and torch.equal(out.cpu(), torch.from_numpy(data[offset : offset + size].copy()))
+        out, future = reader.read_async(49_000, 2_000)
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            reader.finish(future, 49_000, 2_000)
+    finally:
+        reader.close()
+
+
+def test_copy_ranges_packs_chunks_at_any_alignment() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    source = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=device, generator=gen)
+    sizes = np.array([0, 1, 3, 4, 5, 4099, 65_537, 300_001], dtype=np.int64)
+    src_offsets = np.array([0, 16, 33, 64, 101, 4096, 9000, 600_000], dtype=np.int64)  # odd source alignments
+    dst_offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])) + 1  # every destination misaligned
+    packed = torch.zeros(int(sizes.sum()) + 8, dtype=torch.uint8, device=device)
+    table = kernels.copy_ranges(source.data_ptr() + src_offsets, packed.data_ptr() + dst_offsets, sizes, device, stream)
+    stream.synchronize()
+    del table
+    expected = torch.cat([source[o : o + n] for o, n in zip(src_offsets, sizes, strict=True)])
+    assert torch.equal(packed[1 : 1 + int(sizes.sum())], expected)
+    assert packed[0] == 0 and not packed[1 + int(sizes.sum()) :].any()  # nothing written outside the ranges
