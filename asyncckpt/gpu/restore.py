@@ -1,6 +1,8 @@
-"""Restore to the GPU: KvikIO reads into device memory, mix64 verified on the device, nvCOMP decodes.
+"""Restore to the GPU: reads into device memory, mix64 verified on the device, nvCOMP decodes.
 
-Tensors land on their CUDA device without passing through host memory. The data file is
+Tensors land on their CUDA device without a round trip through host memory: KvikIO reads
+straight into device memory under GDS; in compat mode (no GDS) large sequential reads go
+through two pinned buffers (:func:`asyncckpt.gpu.storage.open_device_reader` says why). The data file is
 read in windows of consecutive blobs (about ``window_bytes`` each), the next window's read
 running while the current one is verified and decoded, so a restore runs at the speed of the
 storage. Records of one codec spec in a window decode in one batched nvCOMP call.
@@ -23,32 +25,14 @@ import torch
 from .. import checksum
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..loader import _data_file
+from ..loader import _data_file, check_within_file, destination, tensor_where
 from ..manifest import Manifest, TensorRecord
 from .checksum import mix64_device
 from .decoders import DecodeItem, decode_many
 from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
-from .storage import KvikioBlobReader, configure_threads
+from .storage import DeviceBlobReader, configure_threads, open_device_reader
 
 DEFAULT_WINDOW_BYTES = 1 << 30
-
-
-def destination(record: TensorRecord, target: torch.device | None, where: str) -> torch.device:
-    try:
-        device = target if target is not None else torch.device(record.device)
-    except RuntimeError as exc:
-        raise CorruptCheckpointError(f"{where}: invalid device {record.device!r}") from exc
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise CheckpointError(
-                f"{where}: saved from {device}, but this machine has {torch.cuda.device_count()} "
-                "CUDA device(s); pass map_location='cuda:0' (or 'cpu')"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise CheckpointError(f"{where}: cannot place a tensor on {device}")
-    return device
 
 
 def decode_on_device(
@@ -61,7 +45,7 @@ def decode_on_device(
     """Every tensor of ``manifest``, in table order, on its destination device."""
     configure_threads(io_threads)
     records = manifest.tensors
-    wheres = [f"{checkpoint}: tensor {r.key!r} in {r.file}" for r in records]
+    wheres = [tensor_where(checkpoint, r) for r in records]
     places = [destination(r, target, w) for r, w in zip(records, wheres, strict=True)]
     read_device = next((d for d in places if d.type == "cuda"), torch.device("cuda", torch.cuda.current_device()))
     out: list[torch.Tensor | None] = [None] * len(records)
@@ -71,12 +55,8 @@ def decode_on_device(
     for name, indices in by_file.items():
         path, size = _data_file(checkpoint, name)
         for i in indices:
-            if records[i].offset + records[i].stored_bytes > size:
-                raise CorruptCheckpointError(
-                    f"{wheres[i]}: blob at offset {records[i].offset} of {records[i].stored_bytes} bytes extends past "
-                    f"the end of the file ({size} bytes); the file is truncated"
-                )
-        reader = KvikioBlobReader(path, read_device)
+            check_within_file(records[i], size, wheres[i])
+        reader = open_device_reader(path, read_device)
         try:
             windows = _windows(records, indices, window_bytes)
             pending = _start(reader, records, windows[0]) if windows else None
@@ -110,7 +90,7 @@ def _windows(records: Sequence[TensorRecord], indices: list[int], window_bytes: 
 
 
 def _start(
-    reader: KvikioBlobReader, records: Sequence[TensorRecord], window: list[int]
+    reader: DeviceBlobReader, records: Sequence[TensorRecord], window: list[int]
 ) -> tuple[torch.Tensor, object, int, int]:
     base = records[window[0]].offset
     span = max(records[i].offset + records[i].stored_bytes for i in window) - base
