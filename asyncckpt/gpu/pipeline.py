@@ -51,8 +51,13 @@ log = logging.getLogger("asyncckpt")
 MIN_COMPRESS_BYTES = TINY_BYTES
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Raw bytes per nvCOMP chunk (RAW mode encodes each chunk as one frame)."""
-DEFAULT_GROUP_BYTES = 256 << 20
-"""Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group of its own)."""
+DEFAULT_GROUP_BYTES = 1 << 30
+"""Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group of its own).
+
+Measured on the H200 (13.6 GB, ANS ``<f4``, nothing else running): 256 MiB groups took 15 ms of
+host time to queue and ran at 600-730 GB/s; 1 GiB groups 8 ms and ~900 GB/s; 4 GiB 6 ms and
+~1,000 GB/s. Host time matters in ``fence`` mode (the next step waits until everything is
+queued) and GPU time while training runs; 1 GiB keeps the transient output buffers moderate."""
 PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import move_planes
+
 
 def split_into(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, planes: int) -> None:
     """Write the per-chunk planes of ``src`` (1-D uint8) into ``dst`` (1-D uint8, same length)."""
@@ -64,12 +66,19 @@ def plane_chunks(nbytes: int, planes: int, chunk_bytes: int) -> list[tuple[int, 
 
 def split_tensor_into(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
     """Byte ``j`` of every element of ``src`` (1-D uint8) into plane ``j`` of ``dst`` (``planes``
-    rows of :func:`plane_stride` bytes; the padding is left as it is). One strided copy kernel."""
-    items = src.numel() // planes
-    dst.view(planes, plane_stride(src.numel(), planes))[:, :items].copy_(src.view(items, planes).t())
+    rows of :func:`plane_stride` bytes; the padding is left as it is). One kernel on a GPU
+    (:func:`asyncckpt.gpu.kernels.move_planes`), a strided copy on the CPU."""
+    items, stride = src.numel() // planes, plane_stride(src.numel(), planes)
+    if src.is_cuda:
+        move_planes(src, dst, items, planes, stride, splitting=True)
+        return
+    dst.view(planes, stride)[:, :items].copy_(src.view(items, planes).t())
 
 
 def join_tensor_into(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
     """Inverse of :func:`split_tensor_into`."""
-    items = dst.numel() // planes
-    dst.view(items, planes).copy_(src.view(planes, plane_stride(dst.numel(), planes))[:, :items].t())
+    items, stride = dst.numel() // planes, plane_stride(dst.numel(), planes)
+    if dst.is_cuda:
+        move_planes(src, dst, items, planes, stride, splitting=False)
+        return
+    dst.view(items, planes).copy_(src.view(planes, stride)[:, :items].t())

@@ -53,3 +53,21 @@ def test_copy_ranges_packs_chunks_at_any_alignment() -> None:
     expected = torch.cat([source[o : o + n] for o, n in zip(src_offsets, sizes, strict=True)])
     assert torch.equal(packed[1 : 1 + int(sizes.sum())], expected)
     assert packed[0] == 0 and not packed[1 + int(sizes.sum()) :].any()  # nothing written outside the ranges
+
+
+@pytest.mark.parametrize("planes", [2, 4, 8])
+@pytest.mark.parametrize("items", [1, 3, 4, 4099, 1 << 20])
+def test_plane_kernels_match_the_cpu_layout(planes: int, items: int) -> None:
+    from asyncckpt.gpu.planes import join_tensor_into, plane_stride, split_tensor_into
+
+    gen = torch.Generator().manual_seed(items * planes)
+    raw = torch.randint(0, 256, (items * planes + 1,), dtype=torch.uint8, generator=gen)[1:]  # odd address
+    rows = planes * plane_stride(raw.numel(), planes)
+    expected = torch.zeros(rows, dtype=torch.uint8)
+    split_tensor_into(raw, expected, planes)  # the CPU path: a strided torch copy
+    on_gpu = torch.zeros(rows, dtype=torch.uint8, device="cuda")
+    split_tensor_into(raw.cuda(), on_gpu, planes)
+    assert torch.equal(on_gpu.cpu(), expected)
+    back = torch.empty(raw.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+    join_tensor_into(on_gpu, back, planes)
+    assert torch.equal(back.cpu(), raw)
