@@ -5,6 +5,7 @@ an error that says so; ``convert`` makes them readable."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,11 @@ def test_fence_without_a_codec_is_refused(run_dir: Path) -> None:
 
 
 def test_kvikio_threads_follow_io_threads(run_dir: Path) -> None:
+    from asyncckpt.gpu.deps import kvikio
+    from asyncckpt.gpu.storage import DEFAULT_TASK_BYTES
+
     with asyncckpt.AsyncCheckpointer(run_dir, codec="ans", io_threads=4) as ckpt:
         assert ckpt._backend.storage.threads == 4  # type: ignore[attr-defined]
+        if not os.environ.get("KVIKIO_TASK_SIZE"):  # larger tasks: fewer driver calls beside training
+            assert int(kvikio().defaults.get("task_size")) == DEFAULT_TASK_BYTES
         ckpt.save(1, {"w": torch.randn(1 << 20, device="cuda")}).result(60)
