@@ -128,11 +128,17 @@ class PendingEncode:
     keep_alive: list[Any] = field(default_factory=list)
     began: torch.cuda.Event | None = None
     ended: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+    """Recorded after the encode on its stream (``ended`` itself when timed)."""
     _sizes: list[int] | None = None
 
     def sizes(self) -> list[int]:
         """Compressed size of every chunk; blocks the calling thread until the encode is done."""
         if self._sizes is None:
+            if self.done is not None:
+                # Wait here, where torch lets go of the GIL: nvCOMP's `buffer_sizes` may wait for
+                # the GPU holding it, and the training thread needs the GIL to launch kernels.
+                self.done.synchronize()
             self._sizes = [int(n) for n in self.result.buffer_sizes]
             if len(self._sizes) != len(self.raw_sizes):
                 raise RuntimeError(f"nvCOMP returned {len(self._sizes)} sizes for {len(self.raw_sizes)} chunks")
@@ -185,8 +191,8 @@ def encode(
             DeviceSpan(out.data_ptr(), out.numel()), out_offsets, bounds, cuda_stream=stream.cuda_stream
         )
         result = codec.encode(sources, out=outputs)
-        if ended is not None:
-            ended.record(stream)
+        done = ended if ended is not None else torch.cuda.Event()
+        done.record(stream)
     return PendingEncode(
         spec=spec,
         raw_sizes=list(raw_sizes),
@@ -196,6 +202,7 @@ def encode(
         keep_alive=[*keep_alive, sources, outputs, span],
         began=began,
         ended=ended,
+        done=done,
     )
 
 

@@ -163,6 +163,7 @@ def mix64_sum(buf: torch.Tensor, stream: torch.cuda.Stream) -> int:
         total = torch.zeros(1, dtype=torch.int64, device=buf.device)
         with torch.cuda.device(buf.device):
             _launch("mix64_words", stream, grid, (buf.data_ptr(), buf.numel(), 0, total.data_ptr()))
+        stream.synchronize()  # waits without the GIL, so the training thread keeps launching
         return int(total.item()) & 0xFFFFFFFFFFFFFFFF
 
 
