@@ -150,11 +150,6 @@ class PendingEncode:
         self.ended.synchronize()
         return self.began.elapsed_time(self.ended) / 1e3
 
-    def chunk(self, i: int) -> torch.Tensor:
-        """The i-th compressed chunk (a view into the output buffer); call after :meth:`sizes`."""
-        assert self._sizes is not None
-        return self.out[self.out_offsets[i] : self.out_offsets[i] + self._sizes[i]]
-
 
 def encode(
     spec: CodecSpec,
