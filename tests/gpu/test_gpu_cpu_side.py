@@ -235,3 +235,22 @@ def test_convert_reencodes_on_the_cpu_and_exports_safetensors(tmp_path: Path, ru
         for part in key.split("/"):
             node = node[int(part)] if isinstance(node, list) else node[part if part in node else int(part)]
         assert torch.equal(loaded[key], node), key
+
+
+def test_the_pack_table_lists_each_kept_chunk_once_back_to_back() -> None:
+    # The addresses the GPU pack kernel copies, computed on the host (CPU tensors stand in for
+    # nvCOMP's output buffers): each tensor's kept chunks, from their output slots, to its blob.
+    from asyncckpt.gpu.batch import PendingEncode
+    from asyncckpt.gpu.pipeline import _copy_table, _Option
+
+    out_a, out_b = torch.zeros(4 * 64, dtype=torch.uint8), torch.zeros(3 * 64, dtype=torch.uint8)
+    a = PendingEncode(CodecSpec("ans", "<f4"), [64] * 4, out_a, [0, 64, 128, 192], None, _sizes=[10, 0, 7, 64])
+    b = PendingEncode(CodecSpec("bitcomp", "<f4"), [64] * 3, out_b, [0, 64, 128], None, _sizes=[5, 6, 7])
+    chosen = [_Option(10, a.spec, a, 0, 2), _Option(13, b.spec, b, 1, 3), _Option(71, a.spec, a, 2, 4)]
+    sources, targets, sizes = _copy_table(chosen, [0, 16, 32], 1000)
+    assert sizes.tolist() == [10, 0, 6, 7, 7, 64]
+    pa, pb = out_a.data_ptr(), out_b.data_ptr()
+    assert sources.tolist() == [pa, pa + 64, pb + 64, pb + 128, pa + 128, pa + 192]
+    assert targets.tolist() == [1000, 1010, 1016, 1022, 1032, 1039]
+    empty = _copy_table([], [], 1000)
+    assert all(len(column) == 0 for column in empty)
