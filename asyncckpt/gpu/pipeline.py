@@ -57,7 +57,10 @@ DEFAULT_GROUP_BYTES = 1 << 30
 Measured on the H200 (13.6 GB, ANS ``<f4``, nothing else running): 256 MiB groups took 15 ms of
 host time to queue and ran at 600-730 GB/s; 1 GiB groups 8 ms and ~900 GB/s; 4 GiB 6 ms and
 ~1,000 GB/s. Host time matters in ``fence`` mode (the next step waits until everything is
-queued) and GPU time while training runs; 1 GiB keeps the transient output buffers moderate."""
+queued) and GPU time while training runs. Outside ``fence`` mode a group's transient GPU memory
+is about its size for nvCOMP's outputs, once more for byte planes, and once per extra candidate
+on an ``auto`` probe (up to ~4 GiB at 1 GiB); in ``fence`` mode every group's is held until the
+gate opens."""
 PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
