@@ -21,6 +21,12 @@ from .errors import CorruptCheckpointError
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1
+"""The version a manifest is written as unless it uses a later feature."""
+TENSOR_PLANES_VERSION = 2
+"""Written when a record's ``codec_params`` has ``planes_span: "tensor"`` (tensor-wide byte planes,
+GPU ``auto``): a version-1 reader ignores that parameter and would decode the bytes in the wrong
+order behind a passing checksum, so it must refuse the file instead, and does (it reads only 1)."""
+READABLE_VERSIONS = (FORMAT_VERSION, TENSOR_PLANES_VERSION)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TENSOR_BYTES = 1 << 46
@@ -75,7 +81,10 @@ class Manifest:
         return sum(t.stored_bytes for t in self.tensors)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, allow_nan=False).encode()
+        doc = asdict(self)
+        if any(t.codec_params.get("planes_span") == "tensor" for t in self.tensors):
+            doc["format_version"] = max(self.format_version, TENSOR_PLANES_VERSION)
+        return json.dumps(doc, indent=1, allow_nan=False).encode()
 
 
 def read_manifest(checkpoint_dir: Path) -> Manifest:
@@ -126,10 +135,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if fmt != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: format is {fmt!r}, not an asyncckpt manifest")
     version = fields.get("format_version", int)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptCheckpointError(
-            f"{where}: format version {version} is not supported by this asyncckpt (reads version {FORMAT_VERSION}); "
-            "upgrade asyncckpt to read it"
+            f"{where}: format version {version} is not supported by this asyncckpt (reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade asyncckpt to read it"
         )
     raw_tensors = fields.get("tensors", list)
     tensors = [_parse_tensor(item, f"{where}: tensors[{i}]") for i, item in enumerate(raw_tensors)]
@@ -141,6 +150,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         structure=fields.get("structure", dict),
         metadata=fields.get("metadata", dict),
         io_mode=fields.get("io_mode", str),
+        format_version=version,
     )
 
 

@@ -72,7 +72,7 @@ def _tensor0(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_tensor0("codec", "ans"), "needs a CUDA GPU with the GPU extra"),
         (_tensor0("chunks", [[1, 2]]), "chunk sizes do not add up"),
         (_tensor0("checksum", {"algorithm": "md5", "value": "0"}), "unknown checksum algorithm 'md5'"),
-        (lambda d: d.update(format_version=2), "format version 2 is not supported"),
+        (lambda d: d.update(format_version=3), "format version 3 is not supported"),
         (lambda d: d.update(format="safetensors"), "not an asyncckpt manifest"),
         (lambda d: d.pop("tensors"), "missing field 'tensors'"),
         (lambda d: d.update(structure={"t": "tensor", "id": 99}), "structure refers to tensor 99"),
@@ -169,3 +169,20 @@ def test_cuda_tensors_on_a_cpu_only_machine_need_map_location(checkpoint: Path) 
     _edit_manifest(checkpoint, _tensor0("device", "tpu:0"))
     with pytest.raises(asyncckpt.CheckpointError, match="cannot place a tensor on tpu:0|invalid device"):
         asyncckpt.load(checkpoint)
+
+
+def test_tensor_wide_planes_raise_the_format_version_so_older_readers_refuse(tmp_path: Path) -> None:
+    # A version-1 reader ignores `planes_span` and would join the planes in the wrong order with
+    # a passing checksum; version 2 makes it refuse the file. Everything else stays version 1.
+    from asyncckpt.manifest import TensorRecord, parse_manifest
+
+    with asyncckpt.AsyncCheckpointer(tmp_path / "run") as ckpt:
+        path = ckpt.save(1, {"w": torch.arange(16.0)}).result(60).path
+    assert path is not None
+    manifest = asyncckpt.manifest.read_manifest(path)
+    assert json.loads(manifest.to_json())["format_version"] == 1
+    record = manifest.tensors[0]
+    wide = TensorRecord(**{**record.__dict__, "codec": "ans", "codec_params": {"planes": 4, "planes_span": "tensor"}})
+    doc = json.loads(type(manifest)(**{**manifest.__dict__, "tensors": [wide]}).to_json())
+    assert doc["format_version"] == 2
+    assert parse_manifest(json.dumps(doc).encode(), "test").format_version == 2  # this reader reads both

@@ -174,12 +174,15 @@ def test_specs_follow_the_documented_choices() -> None:
         {"planes": 2, "planes_span": "file"},
         {"planes": 2, "planes_span": 1},
         {"planes": 2, "planes_span": None},
+        {"planes": 1, "planes_span": "tensor"},
     ]
     for params in hostile:
         with pytest.raises(CorruptCheckpointError):
             spec_from_manifest("ans", params, "test")
     with pytest.raises(CorruptCheckpointError):
         spec_from_manifest("snappy", {}, "test")
+    with pytest.raises(CorruptCheckpointError, match="planes_span"):  # a GPU would read it, a CPU would not
+        spec_from_manifest("zstd", {"planes": 4, "planes_span": "tensor"}, "test")
     with pytest.raises(CorruptCheckpointError, match="planes_span"):  # the CPU decoders know per-chunk planes only
         get_decoder("zstd", "test").decode(
             torch.zeros(8, dtype=torch.uint8),
