@@ -274,6 +274,8 @@ class GpuEncoder:
             typestr = batch.typestr_for(spec)
             alignment = batch.required_alignment(spec, self.stream, chunk)
             wide = spec.planes > 1 and spec.planes_span == "tensor"
+            if wide and any(t.numel() % spec.planes for t in sources):  # auto never asks for this
+                raise ValueError(f"{spec}: a tensor is not a whole number of {spec.planes}-byte items")
             if wide:  # each plane its own aligned row, cut into chunks of its own
                 sizes = [spec.planes * plane_stride(t.numel(), spec.planes) for t in sources]
                 bases, total = aligned_offsets(sizes)

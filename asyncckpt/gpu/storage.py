@@ -134,6 +134,10 @@ class KvikioBlobReader:
         """Start reading ``size`` bytes at ``offset`` into a new device buffer: (buffer, future or None)."""
         assert self._file is not None, "reader is closed"
         out = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if size:
+            # cuFile's DMA is not ordered on any stream: work still queued on the stream `out` was
+            # allocated from may use that memory, so let it finish first.
+            torch.cuda.current_stream(self.device).synchronize()
         return out, (self._file.pread(out, size, offset) if size else None)
 
     def finish(self, future: Any, offset: int, size: int) -> None:
@@ -207,25 +211,29 @@ class PinnedPosixReader:
         assert self._fd is not None
         size, done = out.numel(), 0
         self._stream.wait_event(allocated)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            while done < size:
-                slot = self._pieces % 2
-                previous = self._copied[slot]
-                if previous is not None:
-                    previous.synchronize()  # this buffer's last copy to the GPU has finished
-                n = min(STAGED_READ_PIECE_BYTES, size - done)
-                piece = self._pinned[slot][:n]
-                got = _pread_fully(self._fd, piece.numpy(), offset + done)
-                if got:
-                    out[done : done + got].copy_(piece[:got], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    self._copied[slot] = event
-                    self._pieces += 1
-                    done += got
-                if got < n:
-                    break
-            self._stream.synchronize()  # `out` is complete once the future resolves
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                while done < size:
+                    slot = self._pieces % 2
+                    previous = self._copied[slot]
+                    if previous is not None:
+                        previous.synchronize()  # this buffer's last copy to the GPU has finished
+                    n = min(STAGED_READ_PIECE_BYTES, size - done)
+                    piece = self._pinned[slot][:n]
+                    got = _pread_fully(self._fd, piece.numpy(), offset + done)
+                    if got:
+                        out[done : done + got].copy_(piece[:got], non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                        self._copied[slot] = event
+                        self._pieces += 1
+                        done += got
+                    if got < n:
+                        break
+        finally:
+            # `out` is complete once the future resolves, and after a failed read no copy may
+            # still be writing into it when the caller lets it go.
+            self._stream.synchronize()
         return done
 
     def close(self) -> None:
