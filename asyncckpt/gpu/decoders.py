@@ -201,13 +201,13 @@ class NvcompDecoder:
 def register() -> bool:
     """Make every nvCOMP codec name decodable through :mod:`asyncckpt.codecs` (GPU-only ones
     included). Returns False, changing nothing, when the GPU path is not usable here."""
-    from ..codecs import register_decoder
+    from ..codecs import CPU_CODECS, register_decoder
     from .deps import gpu_path_available
 
     if not gpu_path_available():
         return False
     for name in ALGORITHMS:
-        if name in ("zstd", "lz4", "deflate"):
+        if name in CPU_CODECS:
             continue  # the CPU decoders read these standard formats without a GPU round trip
         register_decoder(name, lambda name=name: NvcompDecoder(name))  # type: ignore[misc]
     return True

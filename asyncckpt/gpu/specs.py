@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..codecs import CPU_CODECS
 from ..dtypes import FLOATING_NAMES, dtype_name
 from ..errors import CorruptCheckpointError
 
@@ -42,8 +43,6 @@ MAX_CHUNK_BYTES = {
 }
 """nvCOMP's limit on one RAW chunk's uncompressed size, per algorithm (a RAW buffer is one chunk)."""
 
-CPU_DECODABLE = frozenset({"zstd", "lz4", "deflate"})
-"""Codecs whose RAW chunks the CPU decoders read (standard formats)."""
 PLANED_CODECS = frozenset({"zstd", "lz4", "deflate", "gdeflate"})
 """Byte-oriented codecs that always split float tensors into byte planes first (as the CPU zstd codec does)."""
 
@@ -96,7 +95,7 @@ def spec_from_manifest(codec: str, params: Mapping[str, Any], where: str) -> Cod
         raise CorruptCheckpointError(f"{where}: invalid planes parameter {planes!r}")
     if planes_span not in ("chunk", "tensor"):
         raise CorruptCheckpointError(f"{where}: invalid planes_span parameter {planes_span!r}")
-    if planes_span == "tensor" and (planes == 1 or codec in CPU_DECODABLE):
+    if planes_span == "tensor" and (planes == 1 or codec in CPU_CODECS):
         # Never written so: a GPU would read it and a CPU (which knows per-chunk planes only) would not.
         raise CorruptCheckpointError(f"{where}: planes_span 'tensor' with {codec} and {planes} planes")
     if not isinstance(data_type, str) or data_type not in _DATA_TYPES:

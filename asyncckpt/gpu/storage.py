@@ -28,6 +28,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..storage import align_up
+from ..storage.posix import open_for_reading, pread_fully
 from .deps import kvikio
 
 log = logging.getLogger("asyncckpt")
@@ -183,7 +184,7 @@ class PinnedPosixReader:
     def __init__(self, path: Path, device: torch.device) -> None:
         self.path = path
         self.device = device
-        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd: int | None = open_for_reading(path)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-read")
@@ -220,7 +221,7 @@ class PinnedPosixReader:
                         previous.synchronize()  # this buffer's last copy to the GPU has finished
                     n = min(STAGED_READ_PIECE_BYTES, size - done)
                     piece = self._pinned[slot][:n]
-                    got = _pread_fully(self._fd, piece.numpy(), offset + done)
+                    got = pread_fully(self._fd, piece.numpy(), offset + done)
                     if got:
                         out[done : done + got].copy_(piece[:got], non_blocking=True)
                         event = torch.cuda.Event()
@@ -242,17 +243,6 @@ class PinnedPosixReader:
         self._pool.shutdown(wait=True)  # no read may still write into a buffer
         os.close(self._fd)
         self._fd = None
-
-
-def _pread_fully(fd: int, buffer: Any, offset: int) -> int:
-    """``pread`` until ``buffer`` is full or the file ends; returns the bytes read."""
-    view, done = memoryview(buffer).cast("B"), 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            break
-        done += got
-    return done
 
 
 def open_device_reader(path: Path, device: torch.device) -> DeviceBlobReader:

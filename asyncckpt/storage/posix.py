@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,24 +47,33 @@ class PosixBlobWriter:
             self._fd = None
 
 
+def open_for_reading(path: Path) -> int:
+    """A read-only descriptor; O_NOFOLLOW: a data file that is a symlink could point outside the checkpoint."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+
+def pread_fully(fd: int, buffer: Any, offset: int) -> int:
+    """``pread`` into ``buffer`` (any writable buffer) until it is full or the file ends; returns the bytes read."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 class PosixBlobReader:
     def __init__(self, path: Path) -> None:
         self.path = path
-        # O_NOFOLLOW: a data file that is a symlink could point outside the checkpoint.
-        self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self._fd: int | None = open_for_reading(path)
 
     def read(self, offset: int, size: int) -> torch.Tensor:
         assert self._fd is not None, "reader is closed"
         out = torch.empty(size, dtype=torch.uint8)
-        view = out.numpy().data.cast("B")
-        done = 0
-        while done < size:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:
-                raise CorruptCheckpointError(
-                    f"{self.path}: file ends at byte {offset + done}, expected {offset + size}"
-                )
-            done += got
+        done = pread_fully(self._fd, out.numpy(), offset)
+        if done < size:
+            raise CorruptCheckpointError(f"{self.path}: file ends at byte {offset + done}, expected {offset + size}")
         return out
 
     def close(self) -> None:
