@@ -1,0 +1,292 @@
+"""What the GPU pipeline's library calls cost the *host*, and what background checkpoint work costs training.
+
+A diagnostic for the two GPU-pipeline figures that depend on host behaviour (steps slower while
+a checkpoint persists; nvCOMP throughput in the pipeline), run on the lent H200:
+
+1. **Blocking probes.** A ``torch.cuda._sleep`` kernel (~``--sleep-ms``) is queued first, on the
+   calling stream or on another stream, then each call is timed on the host, while a
+   background Python thread counts how often it gets the GIL. A call that takes about the
+   sleep waits for the GPU; one during which the counter stands still holds the GIL.
+2. **Interference.** Training steps of the benchmark workload are timed with nothing else
+   running, then with each background activity alone on another thread (KvikIO writes of
+   device memory, the checksum kernel, batched nvCOMP encodes, a Python busy loop).
+
+Usage (device only): ``python3 -m benchmarks.host_blocking --out DIR``; writes
+``host-blocking-<stamp>-<gpu>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import Progress, Workload, WorkloadConfig, describe_machine, result_name, versions, write_json
+
+
+class GilCounter:
+    """A background thread that increments a counter whenever it holds the GIL (sleeping 50 us between)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.count += 1
+            time.sleep(0.00005)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _cycles_per_ms(stream: torch.cuda.Stream) -> float:
+    with torch.cuda.stream(stream):
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        torch.cuda._sleep(10_000_000)
+        ended.record()
+    ended.synchronize()
+    return 10_000_000 / began.elapsed_time(ended)
+
+
+def probe(name: str, call: Callable[[], Any], sleep_on: torch.cuda.Stream | None, cycles: int,
+          counter: GilCounter) -> dict[str, Any]:  # fmt: skip
+    """Host seconds of ``call`` with a sleep kernel queued on ``sleep_on`` first, and GIL ticks seen meanwhile."""
+    torch.cuda.synchronize()
+    if sleep_on is not None:
+        with torch.cuda.stream(sleep_on):
+            torch.cuda._sleep(cycles)
+    ticks = counter.count
+    began = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - began
+    ticks = counter.count - ticks
+    torch.cuda.synchronize()
+    return {"call": name, "host_seconds": seconds, "gil_ticks_per_ms": ticks / max(seconds * 1e3, 1e-9)}
+
+
+def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]:
+    import kvikio
+    from nvidia import nvcomp
+
+    from asyncckpt.gpu import batch, kernels
+    from asyncckpt.gpu.specs import CodecSpec
+
+    device = torch.device("cuda")
+    own, other = torch.cuda.Stream(), torch.cuda.Stream()
+    cycles = int(_cycles_per_ms(own) * sleep_ms)
+    counter = GilCounter()
+    data = torch.randn(64 << 20, device=device).view(torch.uint8)  # 256 MiB
+    chunk = 1 << 20
+    offsets = list(range(0, data.numel(), chunk))
+    sizes = [chunk] * len(offsets)
+    spec = CodecSpec("ans", data_type="<f4")
+    span = batch.DeviceSpan(data.data_ptr(), data.numel(), "<f4")
+    codec = batch.codec_for(spec, own, chunk)
+    scratch = Path(tempfile.mkdtemp(prefix="host-blocking-"))
+    results = []
+
+    def as_arrays() -> None:
+        nvcomp.as_arrays(span, offsets, sizes, cuda_stream=own.cuda_stream)
+
+    def encode() -> None:
+        batch.encode(spec, span, offsets, sizes, own, chunk, [])
+
+    def encode_and_sizes() -> None:
+        batch.encode(spec, span, offsets, sizes, own, chunk, []).sizes()
+
+    def codec_encode_only() -> None:
+        sources = nvcomp.as_arrays(span, offsets, sizes, cuda_stream=own.cuda_stream)
+        bound = (batch.max_compressed_bytes(spec, chunk, codec, span) + 15) // 16 * 16
+        out = torch.empty(len(sizes) * bound, dtype=torch.uint8, device=device)
+        outputs = nvcomp.as_arrays(
+            batch.DeviceSpan(out.data_ptr(), out.numel()),
+            [i * bound for i in range(len(sizes))],
+            [bound] * len(sizes),
+            cuda_stream=own.cuda_stream,
+        )
+        began = time.perf_counter()
+        codec.encode(sources, out=outputs)
+        results.append({"call": "  (codec.encode alone, inside the previous)", "host_seconds":
+                        time.perf_counter() - began, "gil_ticks_per_ms": float("nan")})  # fmt: skip
+
+    def copy_table() -> None:
+        import numpy as np
+
+        n = np.arange(4096, dtype=np.int64)
+        kernels.copy_ranges(data.data_ptr() + n * 16, data.data_ptr() + (1 << 27) + n * 16, n * 0 + 16, device, own)
+
+    def checksum() -> None:
+        from asyncckpt.gpu.checksum import mix64_device
+
+        mix64_device(data)
+
+    path = scratch / "probe.bin"
+    kv = kvikio
+    kv.defaults.set("num_threads", 16)
+
+    def kvikio_pwrite_call() -> None:
+        with kv.CuFile(path, "w") as f:
+            began = time.perf_counter()
+            future = f.pwrite(data, data.numel(), 0)
+            results.append({"call": "  (KvikIO pwrite call alone)", "host_seconds": time.perf_counter() - began,
+                            "gil_ticks_per_ms": float("nan")})  # fmt: skip
+            future.get()
+
+    def empty_alloc() -> None:
+        with torch.cuda.stream(own):
+            torch.empty(1 << 30, dtype=torch.uint8, device=device)
+
+    calls: list[tuple[str, Callable[[], None]]] = [
+        ("nvcomp.as_arrays (4 KiB tables)", as_arrays),
+        ("batch.encode (enqueue only)", encode),
+        ("batch.encode + sizes()", encode_and_sizes),
+        ("nvCOMP codec.encode with tables built", codec_encode_only),
+        ("kernels.copy_ranges (4096 ranges)", copy_table),
+        ("gpu checksum of 256 MiB", checksum),
+        ("KvikIO pwrite 256 MiB device + get", kvikio_pwrite_call),
+        ("torch.empty 1 GiB on the stream", empty_alloc),
+    ]
+    for name, call in calls:
+        call()  # warm: codecs built, kernels compiled, allocator pools filled
+        for where, stream in (("none", None), ("own stream", own), ("other stream", other)):
+            result = probe(name, call, stream, cycles, counter)
+            result["sleep_queued_on"] = where
+            results.append(result)
+        progress.say(f"probe {name}: done")
+    counter.close()
+    path.unlink(missing_ok=True)
+    return results
+
+
+def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
+    from asyncckpt.gpu import batch
+    from asyncckpt.gpu.checksum import mix64_device
+    from asyncckpt.gpu.specs import CodecSpec
+
+    device = torch.device("cuda")
+    data = torch.randn(128 << 20, device=device).view(torch.uint8)  # 512 MiB
+
+    if kind == "python busy loop (GIL)":
+
+        def run() -> None:
+            while not stop.is_set():
+                sum(range(20000))
+
+        return run
+    if kind == "checksum kernel, 512 MiB, every 20 ms":
+
+        def run() -> None:
+            while not stop.is_set():
+                mix64_device(data)
+                time.sleep(0.02)
+
+        return run
+    if kind.startswith("nvCOMP"):
+        stream, chunk = torch.cuda.Stream(), 1 << 20
+        spec = CodecSpec("ans", data_type="<f4")
+        span = batch.DeviceSpan(data.data_ptr(), data.numel(), "<f4")
+        offsets = list(range(0, data.numel(), chunk))
+
+        def run() -> None:
+            while not stop.is_set():
+                batch.encode(spec, span, offsets, [chunk] * len(offsets), stream, chunk, []).sizes()
+                time.sleep(0.05)
+
+        return run
+    import kvikio
+
+    scratch = Path(tempfile.mkdtemp(prefix="host-blocking-"))
+    threads = int(kind.split("threads=")[1].split(",")[0])
+
+    def run() -> None:
+        kvikio.defaults.set("num_threads", threads)
+        with kvikio.CuFile(scratch / "bg.bin", "w") as f:
+            offset = 0
+            while not stop.is_set():
+                f.pwrite(data, data.numel(), offset % (4 << 30)).get()
+                offset += data.numel()
+        (scratch / "bg.bin").unlink(missing_ok=True)
+
+    return run
+
+
+def interference(steps: int, width: int, layers: int, progress: Progress) -> list[dict[str, Any]]:
+    work = Workload(WorkloadConfig(width=width, layers=layers, context=256, device="cuda"))
+    for _ in range(10):
+        work.step()
+    kinds = [
+        "none",
+        "python busy loop (GIL)",
+        "checksum kernel, 512 MiB, every 20 ms",
+        "nvCOMP ANS <f4 512 MiB + sizes, every 50 ms",
+        "KvikIO compat writes, threads=16, 512 MiB device buffers",
+        "KvikIO compat writes, threads=4, 512 MiB device buffers",
+        "KvikIO compat writes, threads=1, 512 MiB device buffers",
+        "none",
+    ]
+    rows = []
+    for kind in kinds:
+        stop = threading.Event()
+        thread = None
+        if kind != "none":
+            thread = threading.Thread(target=_background(kind, stop), daemon=True)
+            thread.start()
+            time.sleep(0.2)
+        times = [work.step() for _ in range(steps)]
+        stop.set()
+        if thread is not None:
+            thread.join()
+        times.sort()
+        rows.append({"background": kind, "mean_ms": statistics.mean(times) * 1e3,
+                     "median_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3,
+                     "max_ms": times[-1] * 1e3})  # fmt: skip
+        progress.say(f"interference {kind}: mean {rows[-1]['mean_ms']:.1f} ms")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--sleep-ms", type=float, default=50.0)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=5)
+    args = p.parse_args(argv)
+    progress = Progress()
+    machine = describe_machine()
+    out: dict[str, Any] = {"benchmark": "host_blocking", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "machine": machine, "versions": versions(), "args": vars(args)}  # fmt: skip
+    out["probes"] = blocking_probes(args.sleep_ms, progress)
+    out["interference"] = interference(args.steps, args.width, args.layers, progress)
+    name = result_name("host-blocking", machine)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / f"{name}.json", out)
+    lines = [f"# Host blocking and interference — {out['date']}", "",
+             f"sleep kernel queued first: {args.sleep_ms} ms", "",
+             "| call | sleep queued on | host ms | GIL ticks/ms |", "|---|---|---|---|"]  # fmt: skip
+    for r in out["probes"]:
+        lines.append(f"| {r['call']} | {r.get('sleep_queued_on', '')} | {r['host_seconds'] * 1e3:.2f} | "
+                     f"{r['gil_ticks_per_ms']:.1f} |")  # fmt: skip
+    lines += ["", "| background | mean ms | median | p90 | max |", "|---|---|---|---|---|"]
+    for r in out["interference"]:
+        lines.append(f"| {r['background']} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
+                     f"{r['max_ms']:.2f} |")  # fmt: skip
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
