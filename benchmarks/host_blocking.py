@@ -180,37 +180,37 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
 
     if kind == "python busy loop (GIL)":
 
-        def run() -> None:
+        def busy() -> None:
             while not stop.is_set():
                 sum(range(20000))
 
-        return run
+        return busy
     if kind == "checksum kernel, 512 MiB, every 20 ms":
 
-        def run() -> None:
+        def checksum_loop() -> None:
             while not stop.is_set():
                 mix64_device(data)
                 time.sleep(0.02)
 
-        return run
+        return checksum_loop
     if kind.startswith("nvCOMP"):
         stream, chunk = torch.cuda.Stream(), 1 << 20
         spec = CodecSpec("ans", data_type="<f4")
         span = batch.DeviceSpan(data.data_ptr(), data.numel(), "<f4")
         offsets = list(range(0, data.numel(), chunk))
 
-        def run() -> None:
+        def encode_loop() -> None:
             while not stop.is_set():
                 batch.encode(spec, span, offsets, [chunk] * len(offsets), stream, chunk, []).sizes()
                 time.sleep(0.05)
 
-        return run
+        return encode_loop
     import kvikio
 
     scratch = Path(tempfile.mkdtemp(prefix="host-blocking-"))
     threads = int(kind.split("threads=")[1].split(",")[0])
 
-    def run() -> None:
+    def write_loop() -> None:
         kvikio.defaults.set("num_threads", threads)
         with kvikio.CuFile(scratch / "bg.bin", "w") as f:
             offset = 0
@@ -219,7 +219,7 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
                 offset += data.numel()
         (scratch / "bg.bin").unlink(missing_ok=True)
 
-    return run
+    return write_loop
 
 
 def interference(steps: int, width: int, layers: int, progress: Progress) -> list[dict[str, Any]]:
