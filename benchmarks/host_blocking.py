@@ -223,7 +223,7 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
                         with torch.cuda.stream(copier):
                             host.copy_(data[start : start + piece], non_blocking=True)
                         copier.synchronize()
-                        os.pwrite(fd, memoryview(host.numpy()), offset % (4 << 30))
+                        os.pwrite(fd, host.numpy().data, offset % (4 << 30))
                         offset += piece
             finally:
                 os.close(fd)
