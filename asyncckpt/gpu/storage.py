@@ -1,8 +1,10 @@
-"""KvikIO storage: parallel writes and reads straight from and into GPU memory.
+"""GPU storage: writes and reads straight from and into GPU memory.
 
 With GPUDirect Storage (a ``nvidia-fs`` driver and a supporting file system), KvikIO DMAs
-between GPU memory and the disk; without it KvikIO runs in *compat* mode: POSIX I/O through
-pinned bounce buffers, still parallel over KvikIO's thread pool. :attr:`KvikioStorage.io_mode`
+between GPU memory and the disk, in parallel over its thread pool. Without it the I/O is
+*compat* mode: POSIX through pinned bounce buffers, done by :mod:`asyncckpt.gpu.pinned_io`
+(one thread per file; KvikIO's own compat pool with ``ASYNCCKPT_COMPAT_IO=kvikio``, which
+slowed training more on the H200: that module says by how much). :attr:`KvikioStorage.io_mode`
 says which one runs (``"gds"`` or ``"compat"``); it lands in the manifest and in every
 ``SaveResult``, and is logged once when the storage is built.
 
@@ -20,16 +22,15 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..storage import align_up
-from ..storage.posix import open_for_reading, pread_fully
+from ..storage import BlobWriter, align_up
 from .deps import kvikio
+from .pinned_io import PinnedPosixReader, PinnedPosixWriter
 
 log = logging.getLogger("asyncckpt")
 
@@ -164,92 +165,26 @@ class DeviceBlobReader(Protocol):
     def close(self) -> None: ...
 
 
-STAGED_READ_PIECE_BYTES = 64 << 20
-"""Bytes per ``pread`` of :class:`PinnedPosixReader` (also the size of each of its two pinned buffers)."""
+COMPAT_IO_ENV = "ASYNCCKPT_COMPAT_IO"
+"""Set to ``kvikio`` to do compat-mode I/O through KvikIO's thread pool instead of :mod:`.pinned_io`."""
 
 
-class PinnedPosixReader:
-    """Reads into device memory with large sequential ``pread`` calls through two pinned host buffers.
-
-    What a restore uses where GDS is off. KvikIO's compat mode does the same POSIX reads, but
-    cut into 4 MiB tasks spread over its thread pool; on the H200 machine's ext4 disk that read
-    a cold checkpoint at 1.30 GB/s where one thread's 64 MiB sequential reads got 1.56 GB/s
-    (the kernel's readahead sees one sequential stream). While piece k is copied to the GPU
-    (on a private stream, ~55 GB/s), piece k+1 is read.
-
-    Threads: requests run in order on one private reader thread (``asyncckpt-read``), so the
-    file is read front to back; ``finish`` waits for a request and reports a short file.
-    """
-
-    def __init__(self, path: Path, device: torch.device) -> None:
-        self.path = path
-        self.device = device
-        self._fd: int | None = open_for_reading(path)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-read")
-        self._stream = torch.cuda.Stream(device=device)
-        self._pinned = [torch.empty(STAGED_READ_PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._pieces = 0
-
-    def read_async(self, offset: int, size: int) -> tuple[torch.Tensor, Future[int] | None]:
-        """Queue a read of ``size`` bytes at ``offset`` into a new device buffer: (buffer, future or None)."""
-        assert self._fd is not None, "reader is closed"
-        out = torch.empty(size, dtype=torch.uint8, device=self.device)
-        # `out` comes from the caller's stream's pool: its memory may still be in use by work
-        # queued there, so the reader's stream starts after that work.
-        allocated = torch.cuda.Event()
-        allocated.record(torch.cuda.current_stream(self.device))
-        return out, (self._pool.submit(self._read_into, out, offset, allocated) if size else None)
-
-    def finish(self, future: Future[int] | None, offset: int, size: int) -> None:
-        if future is not None and future.result() != size:
-            raise CorruptCheckpointError(f"{self.path}: file ends before byte {offset + size}; it is truncated")
-
-    def _read_into(self, out: torch.Tensor, offset: int, allocated: torch.cuda.Event) -> int:
-        """Reader thread: fill ``out`` from ``offset``; returns the bytes read (fewer at end of file)."""
-        assert self._fd is not None
-        size, done = out.numel(), 0
-        self._stream.wait_event(allocated)
-        try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                while done < size:
-                    slot = self._pieces % 2
-                    previous = self._copied[slot]
-                    if previous is not None:
-                        previous.synchronize()  # this buffer's last copy to the GPU has finished
-                    n = min(STAGED_READ_PIECE_BYTES, size - done)
-                    piece = self._pinned[slot][:n]
-                    got = pread_fully(self._fd, piece.numpy(), offset + done)
-                    if got:
-                        out[done : done + got].copy_(piece[:got], non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(self._stream)
-                        self._copied[slot] = event
-                        self._pieces += 1
-                        done += got
-                    if got < n:
-                        break
-        finally:
-            # `out` is complete once the future resolves, and after a failed read no copy may
-            # still be writing into it when the caller lets it go.
-            self._stream.synchronize()
-        return done
-
-    def close(self) -> None:
-        if self._fd is None:
-            return
-        self._pool.shutdown(wait=True)  # no read may still write into a buffer
-        os.close(self._fd)
-        self._fd = None
+def _kvikio_compat() -> bool:
+    return os.environ.get(COMPAT_IO_ENV, "").strip().lower() == "kvikio"
 
 
 def open_device_reader(path: Path, device: torch.device) -> DeviceBlobReader:
     """KvikIO straight into device memory under GDS; :class:`PinnedPosixReader` in compat mode."""
-    if io_mode() == "gds":
+    if io_mode() == "gds" or _kvikio_compat():
         return KvikioBlobReader(path, device)
     return PinnedPosixReader(path, device)
+
+
+def open_device_writer(path: Path, device: torch.device, inflight_bytes: int) -> BlobWriter:
+    """KvikIO (cuFile DMA) under GDS; :class:`PinnedPosixWriter` in compat mode (:mod:`.pinned_io` says why)."""
+    if io_mode() == "gds" or _kvikio_compat():
+        return KvikioBlobWriter(path, inflight_bytes)
+    return PinnedPosixWriter(path, device, inflight_bytes)
 
 
 class KvikioStorage:
@@ -261,8 +196,8 @@ class KvikioStorage:
         self.io_mode = io_mode()
         self.inflight_bytes = inflight_bytes
 
-    def open_writer(self, path: Path) -> KvikioBlobWriter:
-        return KvikioBlobWriter(path, self.inflight_bytes)
+    def open_writer(self, path: Path) -> BlobWriter:
+        return open_device_writer(path, self.device, self.inflight_bytes)
 
     def open_reader(self, path: Path) -> KvikioBlobReader:
         return KvikioBlobReader(path, self.device)

@@ -17,11 +17,22 @@ from ..errors import CorruptCheckpointError
 from .base import align_up
 
 
+def create_for_writing(path: Path) -> int:
+    """A write-only descriptor of a new file; O_EXCL: a data file is written once, into a fresh temporary directory."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+
+def pwrite_fully(fd: int, buffer: Any, offset: int) -> None:
+    """``pwrite`` all of ``buffer`` (any readable buffer) at ``offset``; a short write is retried, an error raised."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 class PosixBlobWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
-        # O_EXCL: a data file is written once, into a fresh temporary directory.
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = create_for_writing(path)
         self._end = 0
 
     def append(self, data: torch.Tensor) -> int:
@@ -30,9 +41,7 @@ class PosixBlobWriter:
             data = data.cpu()
         offset = align_up(self._end)
         view = data.numpy().data.cast("B")
-        written = 0
-        while written < len(view):
-            written += os.pwrite(self._fd, view[written:], offset + written)
+        pwrite_fully(self._fd, view, offset)
         self._end = offset + len(view)
         return offset
 

@@ -22,6 +22,7 @@ pytestmark = requires_gpu
 
 MODES = [
     ("device", "auto"),
+    ("device", "auto+kvikio-compat"),  # compat-mode I/O through KvikIO's pool instead of the pinned writer
     ("fence", "auto"),
     ("host", "auto"),
     ("auto", "auto"),
@@ -43,7 +44,12 @@ def _tensors(state: object) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("snapshot", "codec"), MODES)
-def test_optimizer_steps_right_after_save_never_tear_a_checkpoint(run_dir: Path, snapshot: str, codec: str) -> None:
+def test_optimizer_steps_right_after_save_never_tear_a_checkpoint(
+    run_dir: Path, snapshot: str, codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if codec.endswith("+kvikio-compat"):
+        monkeypatch.setenv("ASYNCCKPT_COMPAT_IO", "kvikio")
+        codec = codec.split("+")[0]
     trainer = Trainer(width=128, layers=2, autocast=True)
     references = {}
     with asyncckpt.AsyncCheckpointer(run_dir, snapshot=snapshot, codec=codec, max_inflight=2) as ckpt:

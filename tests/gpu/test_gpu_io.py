@@ -1,4 +1,4 @@
-"""The two GPU I/O helpers below the pipeline: the pinned POSIX reader a compat-mode restore uses,
+"""The GPU I/O helpers below the pipeline: the pinned POSIX reader and writer of compat mode,
 and the batched range copy that packs compressed chunks."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from gpu_env import requires_gpu
 
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.gpu import kernels, storage
+from asyncckpt.gpu import kernels, pinned_io
+from asyncckpt.storage import ALIGNMENT
 
 pytestmark = requires_gpu
 
@@ -19,12 +20,12 @@ pytestmark = requires_gpu
 def test_pinned_reader_reads_exact_ranges_across_pieces_and_reports_a_short_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "STAGED_READ_PIECE_BYTES", 4096)  # many pieces: both pinned buffers reused
+    monkeypatch.setattr(pinned_io, "PIECE_BYTES", 4096)  # many pieces: both pinned buffers reused
     data = np.random.default_rng(3).integers(0, 256, 50_000, dtype=np.uint8)
     path = tmp_path / "blob.bin"
     path.write_bytes(data.tobytes())
     device = torch.device("cuda", torch.cuda.current_device())
-    reader = storage.PinnedPosixReader(path, device)
+    reader = pinned_io.PinnedPosixReader(path, device)
     try:
         requests = [(0, 50_000), (123, 9_000), (40_961, 9_039), (7, 0)]
         started = [(offset, size, *reader.read_async(offset, size)) for offset, size in requests]
@@ -36,6 +37,33 @@ def test_pinned_reader_reads_exact_ranges_across_pieces_and_reports_a_short_file
             reader.finish(future, 49_000, 2_000)
     finally:
         reader.close()
+
+
+def test_pinned_writer_writes_device_and_host_buffers_at_aligned_offsets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pinned_io, "PIECE_BYTES", 4096)  # many pieces per buffer: copy k+1 overlaps write k
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(9)
+    buffers = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
+        for n in (50_001, 1, 0, 4096, 12_289)
+    ]
+    buffers.insert(2, torch.arange(7_000, dtype=torch.int64).to(torch.uint8))  # a host buffer among device ones
+    path = tmp_path / "data.bin"
+    writer = pinned_io.PinnedPosixWriter(path, device, inflight_bytes=10_000)  # appends wait for older writes
+    try:
+        offsets = [writer.append(b) for b in buffers]
+        size = writer.sync()
+    finally:
+        writer.close()
+    content = path.read_bytes()
+    assert size == offsets[-1] + buffers[-1].numel() == len(content)
+    for offset, buf in zip(offsets, buffers, strict=True):
+        assert offset % ALIGNMENT == 0
+        assert content[offset : offset + buf.numel()] == buf.cpu().numpy().tobytes()
+    with pytest.raises(FileExistsError):  # a data file is written once
+        pinned_io.PinnedPosixWriter(path, device, inflight_bytes=10_000)
 
 
 def test_copy_ranges_packs_chunks_at_any_alignment() -> None:
