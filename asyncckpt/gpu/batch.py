@@ -10,6 +10,10 @@ RAW bitstreams throughout: each chunk is one standard frame (zstd), block (lz4) 
 (deflate) with no nvCOMP header, so the CPU decoders read them; the manifest records every
 chunk's stored and raw size, so nothing relies on sizes found inside the compressed data.
 
+Encodes of ANS and Bitcomp go through nvCOMP's C API where :mod:`asyncckpt.gpu.native` can
+load it (same bitstream; that module says why: the Python API's batch building waits for the
+GPU holding the GIL); everything else through the Python API.
+
 Threads and streams: an ``nvcomp.Codec`` must not be shared between threads, so codecs are
 cached per thread (and per stream and spec). Every call enqueues its work on the stream it is
 given; :meth:`PendingEncode.sizes` is where the calling thread waits for it.
@@ -22,9 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+from . import native
 from .deps import nvcomp
 from .specs import MAX_CHUNK_BYTES, CodecSpec
 
@@ -130,10 +136,14 @@ class PendingEncode:
     ended: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     """Recorded after the encode on its stream (``ended`` itself when timed)."""
+    c_api: native.NativeEncode | None = None
+    """The C-API encode, when it ran through :mod:`asyncckpt.gpu.native` (``result`` is then None)."""
     _sizes: list[int] | None = None
 
     def sizes(self) -> list[int]:
         """Compressed size of every chunk; blocks the calling thread until the encode is done."""
+        if self._sizes is None and self.c_api is not None:
+            self._sizes = self.c_api.sizes()
         if self._sizes is None:
             if self.done is not None:
                 # Wait here, where torch lets go of the GIL: nvCOMP's `buffer_sizes` may wait for
@@ -165,6 +175,25 @@ def encode(
 
     Runs on the calling thread; all GPU work goes on ``stream``; nothing here waits for the GPU.
     """
+    if native.available(spec):
+        began = ended = None
+        if timed:
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sources = span.ptr + np.asarray(offsets, dtype=np.int64)
+        largest = max(chunk_bytes, *raw_sizes) if raw_sizes else chunk_bytes
+        job = native.encode(spec, sources, np.asarray(raw_sizes, dtype=np.int64), largest, stream, began, ended)
+        return PendingEncode(
+            spec=spec,
+            raw_sizes=list(raw_sizes),
+            out=job.out,
+            out_offsets=job.out_offsets,
+            result=None,
+            keep_alive=[*keep_alive, span],
+            began=began,
+            ended=ended,
+            done=job.done,
+            c_api=job,
+        )
     nv = nvcomp()
     codec = codec_for(spec, stream, chunk_bytes)
     # nvCOMP checks every output against the bound of a full chunk (its configured chunk size),
