@@ -164,8 +164,8 @@ class PendingEncode:
 def encode(
     spec: CodecSpec,
     span: DeviceSpan,
-    offsets: list[int],
-    raw_sizes: list[int],
+    offsets: Sequence[int] | np.ndarray,
+    raw_sizes: Sequence[int] | np.ndarray,
     stream: torch.cuda.Stream,
     chunk_bytes: int,
     keep_alive: list[Any],
@@ -175,16 +175,17 @@ def encode(
 
     Runs on the calling thread; all GPU work goes on ``stream``; nothing here waits for the GPU.
     """
+    raw = np.asarray(raw_sizes, dtype=np.int64)
+    largest = max(chunk_bytes, int(raw.max())) if raw.size else chunk_bytes
     if native.available(spec):
         began = ended = None
         if timed:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         sources = span.ptr + np.asarray(offsets, dtype=np.int64)
-        largest = max(chunk_bytes, *raw_sizes) if raw_sizes else chunk_bytes
-        job = native.encode(spec, sources, np.asarray(raw_sizes, dtype=np.int64), largest, stream, began, ended)
+        job = native.encode(spec, sources, raw, largest, stream, began, ended)
         return PendingEncode(
             spec=spec,
-            raw_sizes=list(raw_sizes),
+            raw_sizes=raw.tolist(),
             out=job.out,
             out_offsets=job.out_offsets,
             result=None,
@@ -198,19 +199,17 @@ def encode(
     codec = codec_for(spec, stream, chunk_bytes)
     # nvCOMP checks every output against the bound of a full chunk (its configured chunk size),
     # whatever the size of that chunk's input, so tails get a full chunk's room too.
-    bound = _align(max_compressed_bytes(spec, max(chunk_bytes, *raw_sizes), codec, span))
-    bounds = [bound] * len(raw_sizes)
-    out_offsets, total = [], 0
-    for bound in bounds:
-        out_offsets.append(total)
-        total += bound
+    bound = _align(max_compressed_bytes(spec, largest, codec, span))
+    bounds = [bound] * raw.size
+    out_offsets = [i * bound for i in range(raw.size)]
+    total = bound * raw.size
     with torch.cuda.stream(stream):
         out = torch.empty(max(total, 1), dtype=torch.uint8, device=stream.device)
         began = ended = None
         if timed:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record(stream)
-        sources = nv.as_arrays(span, offsets, raw_sizes, cuda_stream=stream.cuda_stream)
+        sources = nv.as_arrays(span, np.asarray(offsets).tolist(), raw.tolist(), cuda_stream=stream.cuda_stream)
         outputs = nv.as_arrays(
             DeviceSpan(out.data_ptr(), out.numel()), out_offsets, bounds, cuda_stream=stream.cuda_stream
         )
@@ -219,7 +218,7 @@ def encode(
         done.record(stream)
     return PendingEncode(
         spec=spec,
-        raw_sizes=list(raw_sizes),
+        raw_sizes=raw.tolist(),
         out=out,
         out_offsets=out_offsets,
         result=result,

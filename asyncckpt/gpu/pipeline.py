@@ -41,7 +41,7 @@ from ..codecs import EncodedBlob
 from ..snapshot import Snapshot, StagedTensor
 from . import batch, kernels
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
-from .planes import plane_chunks, plane_stride, split_into, split_tensor_into
+from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import GpuSnapshot, Group
 from .specs import CodecSpec
 from .staging import TINY_BYTES, aligned_layout, aligned_offsets
@@ -292,20 +292,9 @@ class GpuEncoder:
             else:
                 span, base = batch.span_of(sources, typestr)
                 bases, keep = [t.data_ptr() - base for t in sources], sources
-            chunk_offsets: list[int] = []
-            raw_sizes: list[int] = []
-            ranges = []
-            for t, start in zip(sources, bases, strict=True):
-                first = len(raw_sizes)
-                if wide:
-                    for offset, n in plane_chunks(t.numel(), spec.planes, chunk):
-                        chunk_offsets.append(start + offset)
-                        raw_sizes.append(n)
-                else:
-                    for k, n in enumerate(batch.split_chunks(t.numel(), chunk)):
-                        chunk_offsets.append(start + k * chunk)
-                        raw_sizes.append(n)
-                ranges.append((first, len(raw_sizes)))
+            chunk_offsets, raw_sizes, ranges = chunk_table(
+                [t.numel() for t in sources], bases, chunk, spec.planes if wide else 1
+            )
             pending = batch.encode(spec, span, chunk_offsets, raw_sizes, self.stream, chunk, keep)
             work.pendings.append((positions, ranges, pending))
         return work
@@ -380,6 +369,35 @@ class GpuEncoder:
             stats.stored_bytes += n
         blobs.sort(key=lambda pair: pair[0])
         return blobs, total
+
+
+def chunk_table(
+    sizes: Sequence[int], bases: Sequence[int], chunk_bytes: int, planes: int = 1
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Offsets (from each tensor's base) and raw sizes of every chunk, and each tensor's (first, end) chunk range.
+
+    ``planes`` > 1: tensor-wide byte planes (:func:`asyncckpt.gpu.planes.plane_chunks`), each plane
+    cut into chunks of its own. Built with numpy: a group has thousands of chunks, and in ``fence``
+    mode the next optimizer step waits until every group is queued.
+    """
+    offsets, raw, ranges, count = [], [], [], 0
+    for nbytes, base in zip(sizes, bases, strict=True):
+        length = nbytes // planes if planes > 1 else nbytes
+        per_plane = -(-length // chunk_bytes)
+        within = np.arange(per_plane, dtype=np.int64) * chunk_bytes
+        row = np.full(per_plane, chunk_bytes, dtype=np.int64)
+        row[-1] = length - (per_plane - 1) * chunk_bytes
+        if planes > 1:
+            starts = np.arange(planes, dtype=np.int64) * plane_stride(nbytes, planes)
+            within = (starts[:, None] + within[None, :]).reshape(-1)
+            row = np.tile(row, planes)
+        offsets.append(base + within)
+        raw.append(row)
+        ranges.append((count, count + row.size))
+        count += row.size
+    if not raw:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    return np.concatenate(offsets), np.concatenate(raw), ranges
 
 
 def _copy_table(

@@ -4,6 +4,7 @@ arithmetic, codec specs, and the convert command on the CPU path."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import zlib
@@ -155,6 +156,29 @@ def test_tensor_wide_planes_cut_each_plane_into_its_own_chunks(nbytes: int) -> N
         for hostile in bad:
             with pytest.raises(CorruptCheckpointError, match="plane"):
                 _wide_chunk_offsets(hostile, 4)
+
+
+def test_the_pipeline_chunk_table_matches_the_chunk_layouts() -> None:
+    from asyncckpt.gpu.batch import split_chunks
+    from asyncckpt.gpu.pipeline import chunk_table
+    from asyncckpt.gpu.planes import plane_chunks
+
+    chunk = 4096
+    for nplanes, sizes, layout in [
+        (
+            1,
+            [4096 * 3, 5, 4096 * 3 + 12, 4096],
+            lambda n: [(k * chunk, m) for k, m in enumerate(split_chunks(n, chunk))],
+        ),
+        (4, [4096 * 4 * 3 + 12, 64, 4096 * 8], lambda n: plane_chunks(n, 4, chunk)),
+    ]:
+        bases = [k * 65_536 for k in range(len(sizes))]
+        offsets, raw, ranges = chunk_table(sizes, bases, chunk, nplanes)
+        expected = [(b + o, m) for b, n in zip(bases, sizes, strict=True) for o, m in layout(n)]
+        assert list(zip(offsets.tolist(), raw.tolist(), strict=True)) == expected
+        assert [end - first for first, end in ranges] == [len(layout(n)) for n in sizes]
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(expected)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 def test_specs_follow_the_documented_choices() -> None:
