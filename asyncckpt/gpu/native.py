@@ -79,6 +79,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
 _bounds: dict[tuple[CodecSpec, int], int] = {}
+_temp_sizes: dict[tuple[CodecSpec, int, int, int], int] = {}
 
 
 def _find_library() -> ctypes.CDLL | None:
@@ -185,10 +186,14 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
     bound = max_compressed_bytes(spec, chunk_bytes)
     opts = _opts(spec)
     name = _NAMES[spec.codec]
-    temp_bytes = ctypes.c_size_t()
-    total = ctypes.c_size_t(int(raw_sizes.sum()))
-    _call(f"nvcompBatched{name}CompressGetTempSize", ctypes.c_size_t(count), ctypes.c_size_t(chunk_bytes), opts,
-          ctypes.byref(temp_bytes), total, ctypes.c_void_p(stream.cuda_stream))  # fmt: skip
+    temp_key = (spec, count, chunk_bytes, int(raw_sizes.sum()))
+    if temp_key not in _temp_sizes:  # the same groups come back at every save
+        needed = ctypes.c_size_t()
+        _call(f"nvcompBatched{name}CompressGetTempSize", ctypes.c_size_t(count), ctypes.c_size_t(chunk_bytes), opts,
+              ctypes.byref(needed), ctypes.c_size_t(temp_key[3]), ctypes.c_void_p(stream.cuda_stream))  # fmt: skip
+        with _lock:
+            _temp_sizes[temp_key] = needed.value
+    temp_bytes = _temp_sizes[temp_key]
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         out = torch.empty(max(count * bound, 1), dtype=torch.uint8, device=stream.device)
         out_offsets = np.arange(count, dtype=np.int64) * bound
@@ -200,7 +205,7 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
         # Device side: the three tables, then the compressed sizes and the statuses (count int64 each).
         device_table = torch.empty(5 * count, dtype=torch.int64, device=stream.device)
         device_table[: 3 * count].copy_(host_table, non_blocking=True)
-        temp = torch.empty(max(temp_bytes.value, 1), dtype=torch.uint8, device=stream.device)
+        temp = torch.empty(max(temp_bytes, 1), dtype=torch.uint8, device=stream.device)
         base, word = device_table.data_ptr(), 8
         if began is not None:
             began.record(stream)
@@ -211,7 +216,7 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
             ctypes.c_size_t(chunk_bytes),
             ctypes.c_size_t(count),
             ctypes.c_void_p(temp.data_ptr()),
-            ctypes.c_size_t(temp_bytes.value),
+            ctypes.c_size_t(temp_bytes),
             ctypes.c_void_p(base + 2 * count * word),
             ctypes.c_void_p(base + 3 * count * word),
             opts,
