@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncckpt.gpu.pipeline import GpuEncoder
+from asyncckpt.gpu.pipeline import FENCE_GROUP_BYTES, GpuEncoder
 from asyncckpt.snapshot.base import StagedTensor
 from asyncckpt.tree import flatten
 
@@ -30,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--group-bytes", type=int, default=FENCE_GROUP_BYTES)
     args = p.parse_args(argv)
     work = Workload(WorkloadConfig(width=args.width, layers=args.layers, context=256, device="cuda"))
     for _ in range(3):
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if profile is not None:
             profile.enable()
         with torch.cuda.stream(encoder.stream):
-            works = [encoder._enqueue(group) for group in encoder._plan(tensors)]
+            works = [encoder._enqueue(group) for group in encoder._plan(tensors, args.group_bytes)]
         if profile is not None:
             profile.disable()
         queued = time.perf_counter() - began

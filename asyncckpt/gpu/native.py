@@ -194,7 +194,7 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
         with _lock:
             _temp_sizes[temp_key] = needed.value
     temp_bytes = _temp_sizes[temp_key]
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # the calling thread's current device is the stream's
         out = torch.empty(max(count * bound, 1), dtype=torch.uint8, device=stream.device)
         out_offsets = np.arange(count, dtype=np.int64) * bound
         host_table = torch.empty(3 * count, dtype=torch.int64, pin_memory=True)

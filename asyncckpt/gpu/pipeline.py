@@ -61,6 +61,14 @@ queued) and GPU time while training runs. Outside ``fence`` mode a group's trans
 is about its size for nvCOMP's outputs, once more for byte planes, and once per extra candidate
 on an ``auto`` probe (up to ~4 GiB at 1 GiB); in ``fence`` mode every group's is held until the
 gate opens."""
+FENCE_GROUP_BYTES = 4 << 30
+"""Group size in ``fence`` mode, where the next optimizer step waits until every group is queued.
+
+Every encode call costs ~0.6 ms of host time (the C-API call, its tables, events, allocations;
+``python3 -m benchmarks.enqueue_profile`` on the H200: 52 calls over 20 one-GiB groups of a
+16 GB state took ~30 ms), so fence mode queues fewer, larger groups. It costs little memory:
+in fence mode every group's outputs are held until the gate opens anyway; only the packed
+copy of one group (up to this size) is added at the peak."""
 PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
@@ -126,6 +134,8 @@ class GpuEncoder:
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         self.name = f"nvcomp-{codec}"
+        if device.index is None:  # the compressor thread sets its device: it needs the index
+            device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
@@ -192,7 +202,7 @@ class GpuEncoder:
                     self.stream.wait_event(snapshot.ready)  # GPU-side: reads start after the save point
                 if snapshot.host_part is not None:
                     snapshot.host_part.wait_ready()  # device-to-host staging copies have landed
-                groups = self._plan(snapshot.tensors)
+                groups = self._plan(snapshot.tensors, FENCE_GROUP_BYTES if gate is not None else self.group_bytes)
                 if gate is not None:
                     works: deque[_Work] = deque()
                     for group in groups:
@@ -231,7 +241,7 @@ class GpuEncoder:
     def _encode_inline(self, tensors: list[StagedTensor]) -> Iterator[EncodedBlob]:
         stats = CompressStats(mode="inline", tensors=len(tensors))
         began = time.perf_counter()
-        for group in self._plan(tensors):
+        for group in self._plan(tensors, self.group_bytes):
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 blobs, _nbytes = self._resolve(self._enqueue(group), stats)
             for _index, blob in blobs:
@@ -239,12 +249,12 @@ class GpuEncoder:
         stats.wall_seconds = time.perf_counter() - began
         self.history.append(stats)
 
-    def _plan(self, tensors: Sequence[StagedTensor]) -> list[list[tuple[int, StagedTensor]]]:
+    def _plan(self, tensors: Sequence[StagedTensor], group_bytes: int) -> list[list[tuple[int, StagedTensor]]]:
         groups: list[list[tuple[int, StagedTensor]]] = [[]]
         size = 0
         for index, staged in enumerate(tensors):
             n = staged.data.numel()
-            if groups[-1] and size + n > self.group_bytes:
+            if groups[-1] and size + n > group_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append((index, staged))
