@@ -14,7 +14,8 @@ Same bitstream: a RAW chunk of the Python API is one chunk of the C batched API,
 same options (``tests/gpu/test_gpu_native.py`` compares the bytes). Decoding, and the codecs
 not listed in :data:`SUPPORTED`, stay on the Python API (a restore does not run beside
 training). The option structs below are nvCOMP 6's (``include/nvcomp/ans.h``, ``bitcomp.h``):
-with any other major version :func:`available` is False and everything uses the Python API.
+with any other major version :func:`available` is False and everything uses the Python API,
+as it does with ``ASYNCCKPT_NVCOMP_PYTHON_ONLY=1`` (for comparisons).
 
 Threads and streams: any thread may call :func:`encode`; all GPU work goes on the stream it
 is given; :meth:`NativeEncode.sizes` is where the calling thread waits (without the GIL).
