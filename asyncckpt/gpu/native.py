@@ -84,7 +84,11 @@ _temp_sizes: dict[tuple[CodecSpec, int, int, int], int] = {}
 
 
 def _find_library() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("nvidia.libnvcomp")
+    """libnvcomp of major version 6 from the ``nvidia-libnvcomp`` wheel, else the loader's path; None if absent."""
+    try:
+        spec = importlib.util.find_spec("nvidia.libnvcomp")
+    except (ImportError, ValueError):  # no `nvidia` namespace package at all
+        spec = None
     candidates = []
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
         for sub in ("lib64", "lib", "bin"):

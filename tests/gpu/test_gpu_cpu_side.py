@@ -181,6 +181,18 @@ def test_the_pipeline_chunk_table_matches_the_chunk_layouts() -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
+def test_the_nvcomp_c_api_is_simply_unavailable_without_the_library() -> None:
+    code = """
+import sys
+sys.modules["nvidia"] = None  # no nvidia-* wheel at all, installed or not
+from asyncckpt.gpu import native
+from asyncckpt.gpu.specs import CodecSpec
+print(native.available(CodecSpec("ans", "<f4")), native.available(CodecSpec("zstd")))
+"""
+    result = run_python(code, env=subprocess_env(LD_LIBRARY_PATH=""))
+    assert result.stdout.split() == ["False", "False"]
+
+
 def test_specs_follow_the_documented_choices() -> None:
     assert spec_for("ans", torch.bfloat16) == CodecSpec("ans", "<f2")
     assert spec_for("ans", torch.float32) == CodecSpec("ans", "<f4")
