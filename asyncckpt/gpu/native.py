@@ -10,8 +10,9 @@ tables (pointers and sizes) go up from pinned memory with an asynchronous copy o
 compressor's stream, the compressed sizes come back the same way, and ctypes lets go of
 the GIL for the call, which only enqueues work.
 
-Same bitstream: a RAW chunk of the Python API is one chunk of the C batched API, with the
-same options (``tests/gpu/test_gpu_native.py`` compares the bytes). Decoding, and the codecs
+Same formats: a RAW chunk of the Python API is one chunk of the C batched API. Bitcomp's bytes
+are identical; ANS's differ from the Python API's (some default of its options differs; sizes
+within 5%) and decode with it (``tests/gpu/test_gpu_native.py``). Decoding, and the codecs
 not listed in :data:`SUPPORTED`, stay on the Python API (a restore does not run beside
 training). The option structs below are nvCOMP 6's (``include/nvcomp/ans.h``, ``bitcomp.h``):
 with any other major version :func:`available` is False and everything uses the Python API,
@@ -76,11 +77,13 @@ class _Properties(ctypes.Structure):
 
 
 _NAMES = {"ans": "ANS", "bitcomp": "Bitcomp"}
+_ANS_TYPES = frozenset({"|u1", "|i1", "<f2", "<f4"})
+"""The data types nvCOMP's ANS takes (``ans.h``); Bitcomp takes every one in :data:`_NVCOMP_TYPES`."""
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
 _bounds: dict[tuple[CodecSpec, int], int] = {}
-_temp_sizes: dict[tuple[CodecSpec, int, int, int], int] = {}
+_temp_sizes: dict[tuple[CodecSpec, int, int, int, int], int] = {}
 
 
 def _find_library() -> ctypes.CDLL | None:
@@ -93,14 +96,19 @@ def _find_library() -> ctypes.CDLL | None:
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
         for sub in ("lib64", "lib", "bin"):
             candidates += sorted(glob.glob(os.path.join(location, sub, f"libnvcomp.so.{NVCOMP_MAJOR}*")))
-    candidates.append(f"libnvcomp.so.{NVCOMP_MAJOR}")
+    # Only the wheel's library, the one nvCOMP's Python API (which decodes) loads: a stray
+    # libnvcomp.so.6 on the loader's path beside a Python API of another version would mix them.
     for name in candidates:
         try:
             lib = ctypes.CDLL(name, ctypes.RTLD_LOCAL)
         except OSError:
             continue
         properties = _Properties()
-        if lib.nvcompGetProperties(ctypes.byref(properties)) == 0 and properties.version // 1000 == NVCOMP_MAJOR:
+        try:
+            ok = lib.nvcompGetProperties(ctypes.byref(properties)) == 0
+        except AttributeError:  # not an nvCOMP we know
+            continue
+        if ok and properties.version // 1000 == NVCOMP_MAJOR:
             return lib
     return None
 
@@ -119,7 +127,9 @@ def _lib() -> ctypes.CDLL | None:
 
 def available(spec: CodecSpec) -> bool:
     """Whether ``spec`` compresses through the C API here (nvCOMP 6 found, a supported codec and type)."""
-    return spec.codec in SUPPORTED and (spec.data_type or "|u1") in _NVCOMP_TYPES and _lib() is not None
+    data_type = spec.data_type or "|u1"
+    known = data_type in (_ANS_TYPES if spec.codec == "ans" else _NVCOMP_TYPES)
+    return spec.codec in SUPPORTED and known and _lib() is not None
 
 
 def _opts(spec: CodecSpec) -> ctypes.Structure:
@@ -191,7 +201,7 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
     bound = max_compressed_bytes(spec, chunk_bytes)
     opts = _opts(spec)
     name = _NAMES[spec.codec]
-    temp_key = (spec, count, chunk_bytes, int(raw_sizes.sum()))
+    temp_key = (spec, count, chunk_bytes, int(raw_sizes.sum()), stream.device.index or 0)
     if temp_key not in _temp_sizes:  # the same groups come back at every save
         needed = ctypes.c_size_t()
         _call(f"nvcompBatched{name}CompressGetTempSize", ctypes.c_size_t(count), ctypes.c_size_t(chunk_bytes), opts,

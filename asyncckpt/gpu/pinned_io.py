@@ -135,6 +135,7 @@ class PinnedPosixWriter:
 
     def append(self, data: torch.Tensor) -> int:
         assert self._fd is not None, "writer is closed"
+        assert data.dtype == torch.uint8 and data.dim() == 1 and data.is_contiguous(), "blobs are 1-D uint8 bytes"
         offset = align_up(self._end)
         size = data.numel()
         if size:
@@ -157,6 +158,8 @@ class PinnedPosixWriter:
     def _write(self, data: torch.Tensor, offset: int, ready: torch.cuda.Event | None) -> None:
         """Writer thread: all of ``data`` at ``offset``."""
         assert self._fd is not None
+        if data.is_cuda and data.device != self.device:  # another GPU's memory: a plain synchronous copy
+            data = data.cpu()
         if not data.is_cuda:
             pwrite_fully(self._fd, data.numpy(), offset)
             return
@@ -193,7 +196,9 @@ class PinnedPosixWriter:
     def close(self) -> None:
         if self._fd is None:
             return
-        self._pool.shutdown(wait=True)  # never free a buffer a write may still read
+        # Writes not yet started are dropped (after a failure the file is deleted anyway); a
+        # running one finishes first: never free a buffer a write may still read.
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._queue.clear()
         os.close(self._fd)
         self._fd = None

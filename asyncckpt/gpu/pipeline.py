@@ -394,6 +394,9 @@ def chunk_table(
     for nbytes, base in zip(sizes, bases, strict=True):
         length = nbytes // planes if planes > 1 else nbytes
         per_plane = -(-length // chunk_bytes)
+        if per_plane == 0:  # nothing to compress (the pipeline stores tensors this small raw)
+            ranges.append((count, count))
+            continue
         within = np.arange(per_plane, dtype=np.int64) * chunk_bytes
         row = np.full(per_plane, chunk_bytes, dtype=np.int64)
         row[-1] = length - (per_plane - 1) * chunk_bytes

@@ -26,7 +26,10 @@ def pwrite_fully(fd: int, buffer: Any, offset: int) -> None:
     """``pwrite`` all of ``buffer`` (any readable buffer) at ``offset``; a short write is retried, an error raised."""
     view, done = memoryview(buffer).cast("B"), 0
     while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+        written = os.pwrite(fd, view[done:], offset + done)
+        if written == 0:  # never for a regular file; a loop that cannot progress must not spin
+            raise OSError(f"pwrite wrote nothing at offset {offset + done}")
+        done += written
 
 
 class PosixBlobWriter:

@@ -179,6 +179,8 @@ def test_the_pipeline_chunk_table_matches_the_chunk_layouts() -> None:
         assert [end - first for first, end in ranges] == [len(layout(n)) for n in sizes]
         assert ranges[0][0] == 0 and ranges[-1][1] == len(expected)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    offsets, raw, ranges = chunk_table([0, 4096, 3], [0, 4096, 8192], chunk, 4)  # empty and sub-item tensors
+    assert raw.tolist() == [1024] * 4 and ranges == [(0, 0), (0, 4), (4, 4)]
 
 
 def test_the_nvcomp_c_api_is_simply_unavailable_without_the_library() -> None:
