@@ -19,14 +19,13 @@ mode instead (:func:`asyncckpt.gpu.storage.open_device_writer`).
 from __future__ import annotations
 
 import os
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..storage import align_up
+from ..storage import InflightWrites, align_up
 from ..storage.posix import create_for_writing, open_for_reading, pread_fully, pwrite_fully
 
 PIECE_BYTES = 64 << 20
@@ -124,13 +123,11 @@ class PinnedPosixWriter:
     def __init__(self, path: Path, device: torch.device, inflight_bytes: int) -> None:
         self.path = path
         self.device = device
-        self.inflight_bytes = inflight_bytes
         self._fd: int | None = create_for_writing(path)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-write")
         self._stream = torch.cuda.Stream(device=device)
         self._pinned = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self._queue: deque[tuple[Future[None], int]] = deque()
-        self._queued = 0
+        self._writes = InflightWrites(inflight_bytes)
         self._end = 0
 
     def append(self, data: torch.Tensor) -> int:
@@ -143,17 +140,9 @@ class PinnedPosixWriter:
             if data.is_cuda:  # the writer's stream reads `data` only after the work queued for it so far
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(data.device))
-            self._queue.append((self._pool.submit(self._write, data, offset, ready), size))
-            self._queued += size
-            while self._queued > self.inflight_bytes and len(self._queue) > 1:
-                self._finish_oldest()
+            self._writes.add(self._pool.submit(self._write, data, offset, ready).result, size)
         self._end = offset + size
         return offset
-
-    def _finish_oldest(self) -> None:
-        future, size = self._queue.popleft()
-        self._queued -= size
-        future.result()
 
     def _write(self, data: torch.Tensor, offset: int, ready: torch.cuda.Event | None) -> None:
         """Writer thread: all of ``data`` at ``offset``."""
@@ -188,8 +177,7 @@ class PinnedPosixWriter:
 
     def sync(self) -> int:
         assert self._fd is not None, "writer is closed"
-        while self._queue:
-            self._finish_oldest()
+        self._writes.wait_all()
         os.fsync(self._fd)
         return self._end
 
@@ -199,6 +187,6 @@ class PinnedPosixWriter:
         # Writes not yet started are dropped (after a failure the file is deleted anyway); a
         # running one finishes first: never free a buffer a write may still read.
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._queue.clear()
+        self._writes.discard()
         os.close(self._fd)
         self._fd = None

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..storage import BlobWriter, align_up
+from ..storage import BlobWriter, InflightWrites, align_up
 from .deps import kvikio
 from .pinned_io import PinnedPosixReader, PinnedPosixWriter
 
@@ -75,10 +74,8 @@ def _buffer(data: torch.Tensor) -> Any:
 class KvikioBlobWriter:
     def __init__(self, path: Path, inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
         self.path = path
-        self.inflight_bytes = inflight_bytes
         self._file: Any = kvikio().CuFile(path, "w")
-        self._queue: deque[tuple[Any, int, torch.Tensor]] = deque()
-        self._queued = 0
+        self._writes = InflightWrites(inflight_bytes)
         self._end = 0
 
     def append(self, data: torch.Tensor) -> int:
@@ -87,24 +84,20 @@ class KvikioBlobWriter:
         size = data.numel()
         if size:
             future = self._file.pwrite(_buffer(data), size, offset)
-            self._queue.append((future, size, data))  # data stays alive until its write is done
-            self._queued += size
-            while self._queued > self.inflight_bytes and len(self._queue) > 1:
-                self._finish_oldest()
+
+            def wait(future: Any = future, size: int = size, data: torch.Tensor = data) -> None:
+                # `data` is held here, so it stays alive until its write is done.
+                written = future.get()
+                if written != size:
+                    raise OSError(f"{self.path}: KvikIO wrote {written} of {size} bytes")
+
+            self._writes.add(wait, size)
         self._end = offset + size
         return offset
 
-    def _finish_oldest(self) -> None:
-        future, size, _data = self._queue.popleft()
-        self._queued -= size
-        written = future.get()
-        if written != size:
-            raise OSError(f"{self.path}: KvikIO wrote {written} of {size} bytes")
-
     def sync(self) -> int:
         assert self._file is not None, "writer is closed"
-        while self._queue:
-            self._finish_oldest()
+        self._writes.wait_all()
         os.fsync(self._file.fileno())
         return self._end
 
@@ -113,10 +106,9 @@ class KvikioBlobWriter:
             return
         try:
             # Never free a buffer KvikIO may still be reading: wait for every queued write.
-            while self._queue:
-                future, _size, _data = self._queue.popleft()
+            for wait in self._writes.discard():
                 try:
-                    future.get()
+                    wait()
                 except Exception:  # noqa: BLE001 - the failure is already being reported
                     log.debug("asyncckpt: a write failed while closing %s", self.path)
         finally:

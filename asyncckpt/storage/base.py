@@ -7,6 +7,8 @@ GPUDirect Storage, whose transfers want 4 KiB-aligned file offsets. Buffers are 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +20,44 @@ ALIGNMENT = 4096
 
 def align_up(offset: int, alignment: int = ALIGNMENT) -> int:
     return (offset + alignment - 1) // alignment * alignment
+
+
+class InflightWrites:
+    """Writes started but not yet waited for, oldest first, bounded in bytes; used by one thread.
+
+    Each write is a ``wait`` callable that returns once it is done and raises if it failed (and
+    keeps its buffer alive until then). :meth:`add` waits for the oldest writes while more than
+    ``limit_bytes`` are queued, always leaving the newest one running, so the memory held by
+    queued buffers stays bounded.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._queue: deque[tuple[Callable[[], object], int]] = deque()
+        self._bytes = 0
+
+    def add(self, wait: Callable[[], object], size: int) -> None:
+        self._queue.append((wait, size))
+        self._bytes += size
+        while self._bytes > self.limit_bytes and len(self._queue) > 1:
+            self._wait_oldest()
+
+    def wait_all(self) -> None:
+        """Wait for every queued write in order; the first failure is raised (later ones stay queued)."""
+        while self._queue:
+            self._wait_oldest()
+
+    def discard(self) -> list[Callable[[], object]]:
+        """Forget every queued write; returns their waits, oldest first (for a writer that closes after a failure)."""
+        waits = [wait for wait, _size in self._queue]
+        self._queue.clear()
+        self._bytes = 0
+        return waits
+
+    def _wait_oldest(self) -> None:
+        wait, size = self._queue.popleft()
+        self._bytes -= size
+        wait()
 
 
 class BlobWriter(Protocol):
