@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps timed without a checkpoint right before and right after the measured save")  # fmt: skip
     p.add_argument("--disk-bytes", type=int, default=4 << 30, help="bytes of the plain write + fsync probe")
     p.add_argument("--modes", default="fence,device", help="snapshot modes to measure")
+    p.add_argument(
+        "--extra-saves",
+        type=int,
+        default=2,
+        help="further saves per mode, for more samples of the blocked time (each waits until durable)",
+    )
     p.add_argument("--no-dcp", action="store_true", help="skip dcp.async_save")
     p.add_argument("--tiny", action="store_true", help="a small model and few steps: a smoke test")
     return p
@@ -330,6 +336,11 @@ def _measured_save(
     }
 
 
+def _blocked_seconds(save: dict[str, Any]) -> float:
+    """Host time the training thread lost to one save: the save() call plus the fence's host wait."""
+    return float(save["save_call_seconds"] + save["fence_host_wait_seconds"])
+
+
 def pipeline(args: argparse.Namespace, scratch: Path, progress: Progress) -> dict[str, Any]:
     config = WorkloadConfig(width=args.width, layers=args.layers, context=args.context, batch=8)
     work = Workload(config)
@@ -357,15 +368,26 @@ def pipeline(args: argparse.Namespace, scratch: Path, progress: Progress) -> dic
         with AsyncCheckpointer(directory, snapshot=mode, codec="auto", keep_last=1, max_inflight=1) as ckpt:
             step += 1
             first = _measured_save(ckpt, work, step, keep_reference=False, baseline_steps=0)
+            # One save's host time is one sample of a ~2 ms figure on a shared host CPU (the state
+            # walk alone ranged 0.9-1.7 ms between runs), so the bound is judged on the median of
+            # the measured save and the further saves before it, with every sample kept. They come
+            # first because keep_last=1 keeps only the last checkpoint, the one restored below.
+            blocked = []
+            for _ in range(args.extra_saves):
+                step += 1
+                extra = _measured_save(ckpt, work, step, keep_reference=False, baseline_steps=0)
+                blocked.append(_blocked_seconds(extra))
             step += 1
             measured = _measured_save(
                 ckpt, work, step, keep_reference=mode == "device", baseline_steps=args.baseline_steps
             )
+            blocked.append(_blocked_seconds(measured))
         first.pop("_reference")
         reference = measured.pop("_reference")
-        out["modes"][mode] = {"first_save": first, "save": measured}
+        out["modes"][mode] = {"first_save": first, "save": measured, "blocked_samples_seconds": blocked}
         progress.say(
-            f"{mode}: save() {fmt_seconds(measured['save_call_seconds'])}, durable "
+            f"{mode}: save() {fmt_seconds(measured['save_call_seconds'])} (blocked median "
+            f"{fmt_seconds(statistics.median(blocked))} of {len(blocked)}), durable "
             f"{fmt_seconds(measured['durable_seconds'])}, {measured['ratio']:.3f}x, nvCOMP "
             f"{fmt_rate(measured['compress']['encode_bytes_per_second'])}, {measured['io_mode']}"
         )
@@ -460,7 +482,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, Any]:
     dcp = pipe.get("dcp_async_save", {}).get("blocked_seconds")
     for mode, entry in pipe["modes"].items():
         save = entry["save"]
-        blocked = save["save_call_seconds"] + save["fence_host_wait_seconds"]
+        samples = entry.get("blocked_samples_seconds") or [_blocked_seconds(save)]
+        blocked = statistics.median(samples)
         bound = 2e-3 if mode == "fence" else 1.2 * pipe["state_bytes"] / d2d + 2e-3
         durable_bound = 1.15 * save["stored_bytes"] / write_bw
         during = save["step_seconds_while_persisting"]
@@ -471,6 +494,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, Any]:
             "blocked_seconds": blocked,
             "blocked_bound_seconds": bound,
             "blocked_ok": blocked < bound,
+            "blocked_samples_seconds": samples,
+            "blocked_max_seconds": max(samples),
             "vs_dcp_async_save": dcp / blocked if dcp else None,
             "vs_dcp_ok": bool(dcp) and dcp / blocked >= 100,
             "durable_seconds": save["durable_seconds"],
@@ -498,6 +523,11 @@ def verdicts(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _blocked_spread(verdict: dict[str, Any]) -> str:
+    samples = verdict.get("blocked_samples_seconds") or []
+    return f" (max {fmt_seconds(max(samples))}, n={len(samples)})" if len(samples) > 1 else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     pipe, verdict = report["pipeline"], report["verdicts"]
     v = report["versions"]
@@ -515,7 +545,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{fmt_rate(pipe['disk']['write_bytes_per_second'])}, "
         f"cold read {fmt_rate(pipe['disk']['read_bytes_per_second'])}.",
         "",
-        "| mode | blocked (host) | bound | GPU idle | durable | bound | stored | nvCOMP in pipeline | steps slower "
+        "| mode | blocked (host; median of n saves) | bound | GPU idle | durable | bound | stored "
+        "| nvCOMP in pipeline | steps slower "
         "| I/O |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -523,7 +554,8 @@ def markdown(report: dict[str, Any]) -> str:
         s, m = entry["save"], verdict[mode]
         slow = "-" if m["step_slowdown"] is None else f"{m['step_slowdown'] * 100:+.1f}%"
         lines.append(
-            f"| {mode} | {fmt_seconds(m['blocked_seconds'])} {'ok' if m['blocked_ok'] else 'MISSED'} | "
+            f"| {mode} | {fmt_seconds(m['blocked_seconds'])} {'ok' if m['blocked_ok'] else 'MISSED'}"
+            f"{_blocked_spread(m)} | "
             f"{fmt_seconds(m['blocked_bound_seconds'])} | {fmt_seconds(s['gpu_idle_seconds'])} | "
             f"{fmt_seconds(s['durable_seconds'])} {'ok' if m['durable_ok'] else 'MISSED'} | "
             f"{fmt_seconds(m['durable_bound_seconds'])} | {fmt_bytes(s['stored_bytes'])} ({s['ratio']:.3f}x) | "
