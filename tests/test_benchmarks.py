@@ -209,3 +209,24 @@ def test_statistics() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5 and median([]) is None
     assert p95([float(i) for i in range(1, 101)]) == 95.0
     assert p95([1.0, 9.0]) == 9.0 and p95([]) is None
+
+
+def test_gpu_pipeline_judges_blocked_time_on_the_median_of_its_samples() -> None:
+    """The GPU benchmark's verdicts, recomputed from a committed H200 report with samples put in."""
+    from benchmarks import gpu_pipeline
+
+    committed = sorted((REPO / "benchmarks" / "results").glob("gpu-pipeline-*-h200.json"))
+    assert committed, "no committed GPU pipeline result to check the verdicts against"
+    report_ = json.loads(committed[-1].read_text())
+    fence = report_["pipeline"]["modes"]["fence"]
+    fence["blocked_samples_seconds"] = [1.5e-3, 2.4e-3, 1.8e-3]
+    report_["pipeline"]["dcp_async_save"] = {"blocked_seconds": 0.9, "durable_seconds": 30.0}
+    verdict = gpu_pipeline.verdicts(report_)["fence"]
+    assert verdict["blocked_seconds"] == pytest.approx(1.8e-3)
+    assert verdict["blocked_ok"] and verdict["blocked_max_seconds"] == pytest.approx(2.4e-3)
+    assert verdict["vs_dcp_async_save"] == pytest.approx(500) and verdict["vs_dcp_ok"]
+    report_["verdicts"] = gpu_pipeline.verdicts(report_)
+    assert "1.8 ms ok (max 2.4 ms, n=3)" in gpu_pipeline.markdown(report_)
+
+    fence["blocked_samples_seconds"] = [2.1e-3, 1.2e-3, 2.2e-3]  # a median over the bound misses it
+    assert not gpu_pipeline.verdicts(report_)["fence"]["blocked_ok"]
