@@ -1,0 +1,69 @@
+"""A write that fails on the GPU path (the disk refuses bytes) fails the save loudly, keeps the
+previous checkpoint, leaves no temporary directory, and never leaves a training step waiting.
+
+The refusal is real: the child process runs under a 1 MiB ``RLIMIT_FSIZE``, so the pinned
+writer's ``pwrite`` (or KvikIO's, with ``ASYNCCKPT_COMPAT_IO=kvikio``) fails with EFBIG past the
+first MiB of a file, as a full disk fails with ENOSPC; no root or small file system needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_python
+from gpu_env import requires_gpu, subprocess_env
+
+pytestmark = requires_gpu
+
+_REFUSED_WRITE = """
+import json, resource, signal, sys, torch, asyncckpt
+from asyncckpt.state_compare import first_difference
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+run, snapshot = sys.argv[1], sys.argv[2]
+small = {"w": torch.arange(1000, dtype=torch.float32, device="cuda")}
+ckpt = asyncckpt.AsyncCheckpointer(run, snapshot=snapshot, codec="auto")
+ckpt.save(1, small).result(60)
+gen = torch.Generator(device="cuda").manual_seed(5)
+# Random 32-bit integers viewed as floats: 8 MiB that no codec brings under the 1 MiB limit.
+bits = torch.randint(-2**31, 2**31 - 1, (2 << 20,), dtype=torch.int32, device="cuda", generator=gen)
+param = torch.nn.Parameter(bits.view(torch.float32).nan_to_num())
+param.grad = torch.ones_like(param)
+optimizer = torch.optim.SGD([param], lr=0.5)
+handle = ckpt.save(2, {"w": param})
+optimizer.step()  # fence mode: this step waits on the GPU for the compressor, then goes on
+torch.cuda.synchronize()
+out = {"stepped": bool((param.detach() != bits.view(torch.float32).nan_to_num()).any())}
+try:
+    handle.result(60)
+    out["result"] = None
+except asyncckpt.SaveFailedError as exc:
+    out["result"] = str(exc)
+try:
+    ckpt.close()
+    out["close"] = None
+except asyncckpt.SaveFailedError as exc:
+    out["close"] = str(exc)
+out["latest"] = asyncckpt.latest_step(run)
+out["kept_intact"] = first_difference(small, asyncckpt.load(run)) is None
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(("snapshot", "compat_io"), [("device", ""), ("fence", ""), ("device", "kvikio")])
+def test_a_refused_write_fails_the_save_and_keeps_the_last_checkpoint(
+    tmp_path: Path, snapshot: str, compat_io: str
+) -> None:
+    run = tmp_path / "run"
+    env = subprocess_env(ASYNCCKPT_COMPAT_IO=compat_io)
+    proc = run_python(_REFUSED_WRITE, str(run), snapshot, env=env, timeout=180)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stepped"], "the optimizer step after save() did not run"
+    assert out["result"] is not None and "saving step 2" in out["result"], out
+    assert out["close"] is not None and "saving step 2" in out["close"], out  # never reported by save()
+    if not compat_io:  # the pinned writer raises the OSError itself; KvikIO words its own error
+        assert "File too large" in out["result"] and "File too large" in out["close"], out
+    assert out["latest"] == 1 and out["kept_intact"], out
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp-")], "the failed save left a temporary dir"
