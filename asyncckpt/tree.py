@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import gc
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,7 +69,30 @@ def _join(prefix: str, label: str) -> str:
 
 
 def flatten(state: object) -> FlatState:
-    """Split ``state`` into a skeleton and its distinct tensors.
+    """Split ``state`` into a skeleton and its distinct tensors, with the cyclic GC paused.
+
+    The walk allocates a few GC-tracked containers per tensor, and they live for the whole
+    save, so in a process with a large heap it tends to cross the collector's thresholds: a
+    gen-2 collection there took 175 ms where the walk itself takes 0.5 ms (a 320-tensor state
+    beside 300k live dicts, on one CPU core). Paused here, that collection runs at the training
+    thread's next allocation past the threshold instead, outside ``save()``. A collector the
+    caller turned off stays off.
+
+    Raises:
+        TypeError: for any object asyncckpt cannot store, naming its key path and type.
+    """
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        return _walk(state)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _walk(state: object) -> FlatState:
+    """Split ``state`` into a skeleton and its distinct tensors (:func:`flatten` without the GC pause).
 
     Runs on the training thread inside ``save()``, so it is written for speed: about 1.3
     microseconds per tensor on one CPU core, the dicts around them included (a 1B-parameter

@@ -7,6 +7,7 @@ same as comparing full keys for every pair.
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 
 import pytest
@@ -97,3 +98,33 @@ def test_nesting_limit_applies_to_scalars_but_not_to_tensors() -> None:
     flatten(nest(3, MAX_DEPTH))
     with pytest.raises(TypeError, match="nested deeper than"):
         flatten(nest(3, MAX_DEPTH + 1))
+
+
+def test_the_cyclic_collector_never_runs_inside_flatten_and_is_left_as_found() -> None:
+    model = {f"layer{i}": {"w": torch.ones(2), "b": torch.zeros(2)} for i in range(300)}
+    collections_during: list[int] = []
+    inside = False
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and inside:
+            collections_during.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1)  # any tracked allocation would start a collection
+    try:
+        inside = True
+        flat = flatten(model)  # ~2,000 tracked containers
+        inside = False
+        assert len(flat.tensors) == 600 and collections_during == [] and gc.isenabled()
+        with pytest.raises(TypeError, match="bad"):
+            flatten({**model, "bad": object()})
+        assert gc.isenabled(), "a refused state left the collector off"
+        gc.disable()
+        flatten(model)
+        assert not gc.isenabled(), "flatten re-enabled a collector its caller had turned off"
+    finally:
+        inside = False
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(record)
