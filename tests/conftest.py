@@ -26,6 +26,26 @@ def small_training_state(steps: int = 3, width: int = 32) -> tuple[torch.nn.Modu
     return model, optimizer, {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
 
+REFUSED_WRITES_PRELUDE = """
+import asyncckpt, resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file of this process grows past 1 MiB
+
+
+def failures(handle, ckpt):
+    \"\"\"What handle.result() and then ckpt.close() raised, as text (None: nothing).\"\"\"
+    out = {}
+    for name, call in (("result", lambda: handle.result(60)), ("close", ckpt.close)):
+        try:
+            call()
+            out[name] = None
+        except asyncckpt.SaveFailedError as exc:
+            out[name] = str(exc)
+    return out
+"""
+"""Code for a child interpreter (:func:`run_python`) whose writes past 1 MiB fail like a full disk's."""
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_python
+from conftest import REFUSED_WRITES_PRELUDE, run_python
 
 import asyncckpt
 
@@ -80,25 +80,16 @@ def test_permission_denied(run_dir: Path) -> None:
     assert asyncckpt.latest_step(run_dir) == 1
 
 
-_FILE_SIZE_LIMIT = """
-import json, resource, signal, sys, torch, asyncckpt
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)        # a write past the limit fails with EFBIG instead
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+_FILE_SIZE_LIMIT = (
+    REFUSED_WRITES_PRELUDE
+    + """
+import json, sys, torch
 ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1], codec="none")
 ckpt.save(1, {"w": torch.ones(100)}).result()
 handle = ckpt.save(2, {"w": torch.ones(1 << 20)})   # 4 MiB > the 1 MiB file size limit
-out = {}
-try:
-    handle.result()
-except asyncckpt.SaveFailedError as exc:
-    out["result"] = str(exc)
-try:
-    ckpt.close()
-    out["close"] = None
-except asyncckpt.SaveFailedError as exc:
-    out["close"] = str(exc)
-print(json.dumps(out))
+print(json.dumps(failures(handle, ckpt)))
 """
+)
 
 
 def test_file_size_limit_in_a_subprocess(run_dir: Path) -> None:

@@ -12,16 +12,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import REFUSED_WRITES_PRELUDE, run_python
 from gpu_env import requires_gpu, subprocess_env
 
 pytestmark = requires_gpu
 
-_REFUSED_WRITE = """
-import json, resource, signal, sys, torch, asyncckpt
+_REFUSED_WRITE = (
+    REFUSED_WRITES_PRELUDE
+    + """
+import json, sys, torch
 from asyncckpt.state_compare import first_difference
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 run, snapshot = sys.argv[1], sys.argv[2]
 small = {"w": torch.arange(1000, dtype=torch.float32, device="cuda")}
 ckpt = asyncckpt.AsyncCheckpointer(run, snapshot=snapshot, codec="auto")
@@ -36,20 +36,12 @@ handle = ckpt.save(2, {"w": param})
 optimizer.step()  # fence mode: this step waits on the GPU for the compressor, then goes on
 torch.cuda.synchronize()
 out = {"stepped": bool((param.detach() != bits.view(torch.float32).nan_to_num()).any())}
-try:
-    handle.result(60)
-    out["result"] = None
-except asyncckpt.SaveFailedError as exc:
-    out["result"] = str(exc)
-try:
-    ckpt.close()
-    out["close"] = None
-except asyncckpt.SaveFailedError as exc:
-    out["close"] = str(exc)
+out.update(failures(handle, ckpt))
 out["latest"] = asyncckpt.latest_step(run)
 out["kept_intact"] = first_difference(small, asyncckpt.load(run)) is None
 print(json.dumps(out))
 """
+)
 
 
 @pytest.mark.parametrize(("snapshot", "compat_io"), [("device", ""), ("fence", ""), ("device", "kvikio")])
