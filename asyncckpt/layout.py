@@ -78,12 +78,34 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | Non
     """The checkpoint the ``latest`` pointer names, else the highest committed step, else None."""
     root = Path(directory)
     committed = list_checkpoints(root)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        name = read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
-        for info in committed:
-            if info.path.name == name:
-                return info
+    name = latest_pointer(root)
+    for info in committed:
+        if info.path.name == name:
+            return info
     return committed[-1] if committed else None
+
+
+def latest_pointer(directory: str | os.PathLike[str]) -> str | None:
+    """The name the ``latest`` pointer holds, or None when it is missing or unreadable."""
+    try:
+        return read_regular_file(Path(directory) / LATEST_NAME, 4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def pointer_reaches(directory: str | os.PathLike[str], step: int) -> bool:
+    """Whether a reader of ``latest`` now gets ``step`` or a later one, once ``step`` is committed.
+
+    False only while the pointer still names an earlier committed step: the short window between a
+    commit's rename and its pointer update (see :func:`commit`), which a rank that learns of the
+    commit from the renamed directory must wait out before it reads ``latest``.
+    """
+    root = Path(directory)
+    name = latest_pointer(root)
+    match = _CKPT_DIR.fullmatch(name or "")
+    if match is None or int(match.group(1)) >= step:
+        return True  # missing, unreadable or foreign: readers fall back to the highest committed step
+    return not (root / match.group(0) / MANIFEST_NAME).is_file()
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 from conftest import REPO
 
 import asyncckpt
-from asyncckpt.distributed import load_rank
+from asyncckpt.distributed import DistributedCheckpointer, load_rank
+from asyncckpt.distributed.protocol import RankContext, _wait_for_commit
+from asyncckpt.layout import LATEST_NAME, pointer_reaches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -195,3 +198,56 @@ def test_a_killed_rank_times_out_with_a_clear_error(tmp_path: Path, dead: int) -
         assert 4 <= got["waited"] < 30
     assert asyncckpt.latest_step(root) == 1
     assert not (root / "step-0000000002").exists()
+
+
+def _two_ranks_in_process(root: Path, **options: object) -> list[DistributedCheckpointer]:
+    return [DistributedCheckpointer(root, rank=r, world_size=2, session="s1", **options) for r in (0, 1)]  # type: ignore[arg-type]
+
+
+def test_a_follower_returns_only_once_latest_names_the_committed_step(tmp_path: Path) -> None:
+    """The window between rank 0's rename and its pointer update: the follower must wait it out.
+
+    Reproduced on disk exactly: two real saves commit steps 2 and 3, then ``latest`` is put back
+    to step 2, the state a follower saw in CI when it returned early and its load("latest") read step 2.
+    """
+    root = tmp_path / "run"
+    ranks = _two_ranks_in_process(root)
+    for step in (2, 3):
+        handles = [ckpt.save(step, {"x": torch.full((4,), float(step))}) for ckpt in ranks]
+        for handle in handles:
+            handle.result(timeout=30)
+    for ckpt in ranks:
+        ckpt.close()
+    pointer = root / LATEST_NAME
+    pointer.write_text("step-0000000002\n")
+    ctx = RankContext(rank=1, world_size=2, session="s1", writers=(0, 1), commit_timeout_seconds=10)
+    outcome: list[Path] = []
+    waiter = threading.Thread(target=lambda: outcome.append(_wait_for_commit(root, 3, ctx)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not outcome, "the follower returned while latest still named step 2"
+    scratch = root / ".latest.writing"
+    scratch.write_text("step-0000000003\n")
+    os.replace(scratch, pointer)  # what commit() does next
+    waiter.join(5)
+    assert outcome == [root / "step-0000000003"]
+    assert torch.equal(load_rank(root, 1)["x"], torch.full((4,), 3.0))
+
+
+def test_a_follower_accepts_a_commit_whose_pointer_rank0_never_moved(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 died between rename and pointer: the step is committed, so the follower succeeds and says so."""
+    root = tmp_path / "run"
+    ranks = _two_ranks_in_process(root)
+    for step in (2, 3):
+        for handle in [ckpt.save(step, {"x": torch.zeros(2)}) for ckpt in ranks]:
+            handle.result(timeout=30)
+    for ckpt in ranks:
+        ckpt.close()
+    (root / LATEST_NAME).write_text("step-0000000002\n")
+    ctx = RankContext(rank=1, world_size=2, session="s1", writers=(0, 1), commit_timeout_seconds=0.2)
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _wait_for_commit(root, 3, ctx) == root / "step-0000000003"
+    assert "still names an earlier step" in caplog.text
+    assert not pointer_reaches(root, 3) and pointer_reaches(root, 2)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -40,11 +41,13 @@ from typing import Any
 from .._version import __version__
 from ..codecs import Encoder
 from ..errors import CheckpointError
-from ..layout import checkpoint_name, commit, fsync_dir
+from ..layout import checkpoint_name, commit, fsync_dir, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_manifest, read_manifest
 from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
+
+log = logging.getLogger("asyncckpt")
 
 DISTRIBUTED_KEY = "distributed"
 """Key of the distributed section in a committed manifest's ``metadata``."""
@@ -254,15 +257,24 @@ def _wait_for_commit(root: Path, step: int, ctx: RankContext) -> Path:
     deadline = time.monotonic() + 2 * ctx.commit_timeout_seconds
     pauses = _backoff(ctx)
     while True:
-        if (final / MANIFEST_NAME).is_file():
-            found = read_manifest(final).metadata.get(DISTRIBUTED_KEY, {})
-            if isinstance(found, dict) and found.get("session") == ctx.session:
+        committed = (final / MANIFEST_NAME).is_file()
+        if committed:
+            found = read_manifest(final).metadata.get(DISTRIBUTED_KEY)
+            session = found.get("session") if isinstance(found, dict) else None
+            if session != ctx.session:
+                raise RankFailedError(f"{final}: committed by another job (session {session!r}); "
+                                      "two jobs are saving into the same directory")  # fmt: skip
+            # Rank 0 renames the directory and only then moves ``latest``: returning in between
+            # would let this rank's next load("latest") read the previous step.
+            if pointer_reaches(root, step):
                 return final
-            raise RankFailedError(f"{final}: committed by another job (session {found.get('session')!r}); "
-                                  "two jobs are saving into the same directory")  # fmt: skip
-        if marker.exists():
+        elif marker.exists():
             raise RankFailedError(f"step {step} not committed: {_reason(marker)}")
         if time.monotonic() > deadline:
+            if committed:  # rank 0 died between its rename and its pointer update: the step is saved
+                log.warning("asyncckpt: %s is committed but %s/latest still names an earlier step "
+                            "(rank 0 stopped before updating it); load it by step", final, root)  # fmt: skip
+                return final
             raise RankFailedError(
                 f"step {step}: rank 0 (the committer) neither committed nor aborted it within "
                 f"{2 * ctx.commit_timeout_seconds:g} s after rank {ctx.rank}'s part was durable; "
