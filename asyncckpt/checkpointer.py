@@ -113,7 +113,7 @@ class AsyncCheckpointer:
         try:
             self._raise_unreported()  # a save that failed while we waited for its slot
             began = time.perf_counter()
-            snapshot = self._backend.stager.stage(flat.tensors)
+            snapshot = self._backend.stager.stage(flat)
             staged_at = time.perf_counter()
         except BaseException:
             self._slots.release()
@@ -126,7 +126,7 @@ class AsyncCheckpointer:
         else:
             handle.stall_seconds = stall
             when_staged(lambda: handle._set_staged(stall))
-        job = SaveJob(step=step, structure=flat.skeleton, snapshot=snapshot, metadata=metadata,
+        job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
                       created_unix=time.time(), started=started, stall_seconds=stall,
                       snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode)  # fmt: skip
         with self._lock:

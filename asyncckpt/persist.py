@@ -29,6 +29,7 @@ from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord
 from .result import SaveResult
 from .snapshot import Snapshot
 from .storage import Storage
+from .tree import FlatState
 
 DATA_FILE = "data-0.bin"
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -42,7 +43,8 @@ class SaveJob:
     """Everything the worker needs to persist one save; built on the training thread."""
 
     step: int
-    structure: dict[str, Any]
+    structure: dict[str, Any] | FlatState
+    """The skeleton, or the flattened state to build it from on the worker (see :attr:`skeleton`)."""
     snapshot: Snapshot
     metadata: dict[str, Any]
     created_unix: float
@@ -54,6 +56,11 @@ class SaveJob:
     files: dict[str, bytes] = field(default_factory=dict)
     """Small extra files (name -> bytes) written into the checkpoint directory before its manifest,
     e.g. a framework's own JSON state; names are plain file names (checked by :func:`check_extra_files`)."""
+
+    @property
+    def skeleton(self) -> dict[str, Any]:
+        """The state's skeleton; built here, on the worker thread, when ``save()`` left it to be built."""
+        return self.structure.skeleton if isinstance(self.structure, FlatState) else self.structure
 
 
 _identity = NoneCodec()
@@ -168,7 +175,7 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         for name, data in job.files.items():
             write_durably(tmp / name, data)
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
-                            tensors=part.records, structure=job.structure, metadata=job.metadata,
+                            tensors=part.records, structure=job.skeleton, metadata=job.metadata,
                             io_mode=storage.io_mode)  # fmt: skip
         write_durably(tmp / MANIFEST_NAME, manifest.to_json())
         if point_latest:

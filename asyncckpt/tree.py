@@ -14,7 +14,9 @@ Node forms (``t`` is the tag)::
     {"t": "str", "v": "..."}    {"t": "bool", "v": true}          {"t": "none"}
     {"t": "bytes", "v": "<base64>"}   {"t": "dtype", "v": "bfloat16"}   {"t": "device", "v": "cuda:0"}
 
-Both directions run on the calling thread and touch no tensor data.
+Both directions run on the calling thread and touch no tensor data. ``flatten`` takes the
+common state through :mod:`asyncckpt.frame` (containers copied now, skeleton and key paths
+built on first use, off the training thread) and anything else through the full walk here.
 """
 
 from __future__ import annotations
@@ -23,18 +25,18 @@ import base64
 import binascii
 import functools
 import gc
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from .dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
 from .errors import CorruptCheckpointError
+from .frame import MAX_DEPTH, Frame, Unusual, alias_index, capture
 
-MAX_DEPTH = 64
-"""Deepest container nesting accepted on save and on load (state dicts nest 4-6 deep)."""
+__all__ = ["MAX_DEPTH", "FlatState", "TensorLeaf", "flatten", "unflatten"]
 
 
 class TensorLeaf(NamedTuple):
@@ -54,10 +56,50 @@ _new_leaf: Callable[[tuple[str, torch.Tensor]], TensorLeaf] = functools.partial(
 ``__new__``: about 60 ns less per tensor, which ``flatten`` pays on the training thread."""
 
 
-@dataclass(frozen=True)
 class FlatState:
-    skeleton: dict[str, Any]
-    tensors: list[TensorLeaf]
+    """A state split into its distinct tensors and a skeleton.
+
+    ``leaf_tensors`` is ready when :func:`flatten` returns; ``skeleton``, ``keys`` and
+    ``tensors`` may be built on first use (from a :class:`~asyncckpt.frame.Frame`), on whichever
+    thread asks first, so ``save()`` spends no training time on them. Either way they describe
+    the state as it was inside ``flatten``.
+    """
+
+    def __init__(self, skeleton: dict[str, Any], tensors: list[TensorLeaf]) -> None:
+        self.leaf_tensors: list[torch.Tensor] = [leaf.tensor for leaf in tensors]
+        """The distinct tensors, in first-seen order (detached where they required grad)."""
+        self._frame: Frame | None = None
+        self._skeleton, self._leaves = skeleton, tensors
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_frame(cls, frame: Frame) -> FlatState:
+        flat = cls.__new__(cls)
+        flat.leaf_tensors, flat._frame, flat._lock = frame.tensors, frame, threading.Lock()
+        return flat
+
+    @property
+    def skeleton(self) -> dict[str, Any]:
+        self._describe()
+        return self._skeleton
+
+    @property
+    def tensors(self) -> list[TensorLeaf]:
+        """The distinct tensors with the key path of their first occurrence."""
+        self._describe()
+        return self._leaves
+
+    @property
+    def keys(self) -> list[str]:
+        return [leaf.key for leaf in self.tensors]
+
+    def _describe(self) -> None:
+        with self._lock:
+            if self._frame is not None:
+                skeleton, keys = self._frame.described()
+                self._skeleton = skeleton
+                self._leaves = [_new_leaf(pair) for pair in zip(keys, self.leaf_tensors, strict=True)]
+                self._frame = None
 
 
 def _key_label(key: object) -> str:
@@ -70,6 +112,10 @@ def _join(prefix: str, label: str) -> str:
 
 def flatten(state: object) -> FlatState:
     """Split ``state`` into a skeleton and its distinct tensors, with the cyclic GC paused.
+
+    The common state is captured by :func:`asyncckpt.frame.capture` (its skeleton and keys are
+    built on first use); a state it does not take is walked in full here, which also raises
+    the errors.
 
     The walk allocates a few GC-tracked containers per tensor, and they live for the whole
     save, so in a process with a large heap it tends to cross the collector's thresholds: a
@@ -85,21 +131,24 @@ def flatten(state: object) -> FlatState:
     if collecting:
         gc.disable()
     try:
-        return _walk(state)
+        try:
+            return FlatState.of_frame(capture(state))
+        except Unusual:
+            return _walk(state)
     finally:
         if collecting:
             gc.enable()
 
 
 def _walk(state: object) -> FlatState:
-    """Split ``state`` into a skeleton and its distinct tensors (:func:`flatten` without the GC pause).
+    """The full walk: split any storable ``state`` into a skeleton and its distinct tensors, eagerly.
 
-    Runs on the training thread inside ``save()``, so it is written for speed: about 1.3
-    microseconds per tensor on one CPU core, the dicts around them included (a 1B-parameter
-    model with AdamW has ~300 tensors). Much of that is reading tensor attributes (each read is
-    a call into C++, slower on CUDA tensors), so the common case reads six from a CUDA tensor
-    and no shape or stride. Key paths are built as strings on the way down; error messages use
-    them as they are.
+    Runs on the training thread inside ``save()`` for states :func:`asyncckpt.frame.capture`
+    does not take (other scalar and key types, deep nesting, anything refused), so it is still
+    written for speed: about 1.3 microseconds per tensor on one CPU core, the dicts around them
+    included. Much of that is reading tensor attributes (each read is a call into C++, slower
+    on CUDA tensors), so the common case reads six from a CUDA tensor and no shape or stride.
+    Key paths are built as strings on the way down; error messages use them as they are.
 
     Raises:
         TypeError: for any object asyncckpt cannot store, naming its key path and type.
@@ -108,7 +157,7 @@ def _walk(state: object) -> FlatState:
     # Alias detection in two steps, because the full key (data pointer, device kind, dtype,
     # shape, stride) costs three more attribute reads and two tuples per tensor while nearly
     # every tensor has an address of its own. ``index_by_ptr`` holds the first leaf at each
-    # address; only a later tensor at a known address builds full keys (``alias_id``).
+    # address; only a later tensor at a known address builds full keys (``alias_index``).
     index_by_ptr: dict[int, int] = {}
     index_by_alias: dict[tuple[object, ...], int] = {}
     # Locals, not globals or attribute lookups, in the loops below.
@@ -213,24 +262,7 @@ def _walk(state: object) -> FlatState:
         if first is None:
             index_by_ptr[ptr] = len(tensors)
             return append_leaf(t, where)
-        return alias_id(t, where, (ptr, is_cuda, dtype, t.shape, t.stride()), first)
-
-    def alias_id(t: torch.Tensor, where: str, alias: tuple[object, ...], first: int) -> int:
-        """``tensor_id`` for a non-empty ``t`` at the data pointer of an earlier leaf, ``first``.
-
-        Two leaves are the same tensor if they are identical views of the same memory (tied
-        weights appear twice in a state_dict): stored once, restored as one object. Views that
-        differ in dtype, shape or stride are distinct leaves. CPU and CUDA pointers never
-        coincide (unified virtual addressing), nor do two GPUs'; the device kind is in the key
-        all the same. ``first`` gets its key here, at the first collision; every other
-        non-empty leaf at this address came through here and has its key already.
-        """
-        seen = tensors[first].tensor  # maybe detached: same pointer, device, dtype, shape, stride
-        index_by_alias.setdefault((alias[0], seen.is_cuda, seen.dtype, seen.shape, seen.stride()), first)
-        index = index_by_alias.get(alias)
-        if index is None:
-            index = index_by_alias[alias] = append_leaf(t, where)
-        return index
+        return alias_index(t, ptr, first, tensors[first].tensor, index_by_alias, lambda same: append_leaf(same, where))
 
     def append_leaf(t: torch.Tensor, where: str) -> int:
         tensors.append(new_leaf((where, t.detach() if t.requires_grad else t)))

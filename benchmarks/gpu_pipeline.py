@@ -291,7 +291,7 @@ def _measured_save(
     reference = _clone_on_gpu(state) if keep_reference else None
     torch.cuda.synchronize()
     began = time.perf_counter()
-    tensors = len(flatten(state).tensors)  # what save() spends walking the state (core), measured apart
+    tensors = len(flatten(state).leaf_tensors)  # what save() spends walking the state (core), measured apart
     flatten_seconds = time.perf_counter() - began
     waited = fence.host_wait_seconds_total()
     began = time.perf_counter()

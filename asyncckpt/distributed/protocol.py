@@ -133,7 +133,7 @@ def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, stora
     data_path = tmp / data_file_name(ctx.rank)
     part = write_part(job.snapshot, encoder, storage, data_path)  # releases the snapshot, cleans up on failure
     own = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__, tensors=part.records,
-                   structure=job.structure, metadata={"rank": ctx.rank, "session": ctx.session, "user": job.metadata},
+                   structure=job.skeleton, metadata={"rank": ctx.rank, "session": ctx.session, "user": job.metadata},
                    io_mode=storage.io_mode)  # fmt: skip
     # Written under a scratch name and renamed: part-r{rank}.json appears only complete, and only
     # after its data file is durable, so its existence is this rank's "my part is durable" vote.

@@ -44,7 +44,7 @@ from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import GpuSnapshot, Group
 from .specs import CodecSpec
-from .staging import TINY_BYTES, aligned_layout, aligned_offsets
+from .staging import TINY_BYTES, aligned_layout, aligned_offsets, copy_fence_stragglers
 
 log = logging.getLogger("asyncckpt")
 
@@ -193,13 +193,16 @@ class GpuEncoder:
             self._compress(snapshot)
 
     def _compress(self, snapshot: GpuSnapshot) -> None:
-        stats = CompressStats(mode=snapshot.mode, tensors=len(snapshot.tensors))
+        stats = CompressStats(mode=snapshot.mode)
         channel, gate, began = snapshot.channel, snapshot.gate, time.perf_counter()
         error: BaseException | None = None
         try:
             with torch.cuda.stream(self.stream):
                 if snapshot.ready is not None:
                     self.stream.wait_event(snapshot.ready)  # GPU-side: reads start after the save point
+                if gate is not None:
+                    copy_fence_stragglers(snapshot)  # on this stream, after `ready`, before the gate opens
+                stats.tensors = len(snapshot.tensors)
                 if snapshot.host_part is not None:
                     snapshot.host_part.wait_ready()  # device-to-host staging copies have landed
                 groups = self._plan(snapshot.tensors, FENCE_GROUP_BYTES if gate is not None else self.group_bytes)
@@ -226,6 +229,7 @@ class GpuEncoder:
             error = exc
             log.error("asyncckpt: GPU compression failed: %s: %s", type(exc).__name__, exc)
         finally:
+            snapshot.sources_final.set()  # set already unless the stragglers' copy never ran
             if gate is not None:
                 gate.fail()  # a no-op once opened; otherwise training must not wait on it
             try:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ..codecs import EncodedBlob
 from ..snapshot import Snapshot, StagedTensor
-from ..tree import TensorLeaf
+from ..tree import FlatState, TensorLeaf
 from .fence import FenceGate
 
 Group = list[tuple[int, EncodedBlob]]
@@ -95,13 +95,15 @@ class GpuSnapshot:
     or were copied to pinned memory (``host``); CPU tensors are always in host staging.
 
     ``stage()`` records, per leaf, where its bytes are (``sources``); the :class:`StagedTensor`
-    list is built on first use of :attr:`tensors`, on the compressor thread, so the training
-    thread pays for no per-tensor object it does not need.
+    list is built on first use of :attr:`tensors`, on the compressor thread, with the state's
+    key paths, so the training thread pays for no per-tensor object it does not need. In
+    ``fence`` mode the compressor replaces some sources by copies first
+    (:func:`~asyncckpt.gpu.staging.copy_fence_stragglers`); :attr:`tensors` waits for that.
     """
 
-    def __init__(self, leaves: Sequence[TensorLeaf], mode: str, device: torch.device, host_part: Snapshot | None,
+    def __init__(self, flat: FlatState, mode: str, device: torch.device, host_part: Snapshot | None,
                  channel: BlobChannel) -> None:  # fmt: skip
-        self.leaves = leaves
+        self.flat = flat
         self.mode = mode
         self.device = device
         self.host_part = host_part
@@ -114,17 +116,23 @@ class GpuSnapshot:
         self.gate: FenceGate | None = None
         self.copy_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.on_release: Callable[[], None] | None = None
+        self.sources_final = threading.Event()
+        """Set once ``sources`` changes no more: at once, except in fence mode (the compressor sets it)."""
+        if mode != "fence":
+            self.sources_final.set()
         self._tensors: list[StagedTensor] | None = None
         self._lock = threading.Lock()
         self._released = False
 
     @property
     def tensors(self) -> list[StagedTensor]:
+        """One StagedTensor per leaf; compressor or worker thread (waits for the final sources)."""
+        self.sources_final.wait()
         with self._lock:
             if self._tensors is None:
                 self._tensors = [
                     source if isinstance(source, StagedTensor) else _staged(leaf, source)
-                    for leaf, source in zip(self.leaves, self.sources, strict=True)
+                    for leaf, source in zip(self.flat.tensors, self.sources, strict=True)
                 ]
             return self._tensors
 
@@ -172,6 +180,7 @@ class GpuSnapshot:
         self.sources = []
         with self._lock:
             self._tensors = []
+        self.sources_final.set()  # the compressor is done with it; never leave a reader waiting
         if self.on_release is not None:
             self.on_release()
 

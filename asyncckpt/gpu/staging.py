@@ -12,7 +12,9 @@ GPU:
 ``fence``
     No copy: an event on the caller's stream, and a :class:`~asyncckpt.gpu.fence.FenceGate`
     that holds the next optimizer step on the GPU until the compressor has read the tensors.
-    Non-contiguous and tiny tensors are copied (they are few and small).
+    Non-contiguous and tiny tensors are copied by the compressor thread, on its stream, before
+    the gate opens (:func:`copy_fence_stragglers`): they are few and small, and no tensor
+    attribute is read for them on the training thread.
 ``host``
     Pinned host memory (:class:`~asyncckpt.snapshot.HostStager`), for when GPU memory is short.
 
@@ -32,7 +34,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..snapshot import HostStager, StagedTensor
-from ..tree import TensorLeaf
+from ..tree import FlatState
 from . import fence
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -60,6 +62,45 @@ def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 def aligned_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """:func:`aligned_offsets` of the tensors' byte sizes."""
     return aligned_offsets([nbytes_of(t) for t in tensors])
+
+
+def packed_views(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
+                 offsets: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """Views of ``buffer`` (uint8) at ``offsets`` shaped like ``tensors``: (typed views to copy into, byte views)."""
+    typed, raw = [], []
+    for t, offset in zip(tensors, offsets, strict=True):
+        piece = buffer[offset : offset + nbytes_of(t)]
+        raw.append(piece)
+        typed.append(piece.view(t.dtype).view(t.shape) if piece.numel() else torch.empty_like(t))
+    return typed, raw
+
+
+def copy_fence_stragglers(snapshot: GpuSnapshot) -> None:
+    """Copy the live tensors of a ``fence`` snapshot that must not be read live, then publish its sources.
+
+    Compressor thread, on the compressor stream, after that stream waited for ``snapshot.ready``
+    and before the gate opens, so the copies read the state at the save point. A tiny tensor is
+    stored raw and read at write time, after the gate opened; a non-contiguous one needs a
+    contiguous copy to be compressed. The buffer is allocated on the compressor stream and
+    lives as long as the snapshot's sources. ``snapshot.tensors`` waits for this.
+    """
+    try:
+        sources = snapshot.sources
+        copies = [
+            i
+            for i, t in enumerate(sources)
+            if isinstance(t, torch.Tensor) and (t.nbytes < TINY_BYTES or not t.is_contiguous())
+        ]
+        if copies:
+            live = [sources[i] for i in copies]
+            offsets, total = aligned_layout(live)  # type: ignore[arg-type]
+            buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=snapshot.device)
+            typed, raw = packed_views(buffer, live, offsets)  # type: ignore[arg-type]
+            torch._foreach_copy_(typed, live)  # type: ignore[arg-type]
+            for i, data in zip(copies, raw, strict=True):
+                sources[i] = data
+    finally:
+        snapshot.sources_final.set()
 
 
 class DeviceArena:
@@ -91,12 +132,7 @@ class DeviceArena:
             offsets, total = aligned_layout(tensors)
             if self._slots[slot].numel() < total:
                 self._replace(slot, total)
-            arena = self._slots[slot]
-            typed, raw = [], []
-            for t, offset in zip(tensors, offsets, strict=True):
-                piece = arena[offset : offset + nbytes_of(t)]
-                raw.append(piece)
-                typed.append(piece.view(t.dtype).view(t.shape) if piece.numel() else torch.empty_like(t))
+            typed, raw = packed_views(self._slots[slot], tensors, offsets)
         except BaseException:
             self._free.put(slot)  # out of GPU memory: the slot stays usable for the next save
             raise
@@ -156,37 +192,45 @@ class GpuStager:
         self.arena = DeviceArena(slots, device, register, deregister)
         self.host = HostStager(slots=slots, budget_bytes=host_budget_bytes)
         self._stored_ratio = 1.0
+        self._one_gpu = torch.cuda.device_count() == 1
         self.on_mode: Callable[[str], None] | None = None
         """Told the mode of each save (``auto`` resolves per save) before stage() returns."""
 
     # ---------------------------------------------------------------- training thread
-    def stage(self, leaves: Sequence[TensorLeaf]) -> GpuSnapshot:
-        # One pass, few tensor attribute reads: this is training time (~1 us per tensor matters at 2 ms).
-        index = self.device.index
-        here = [leaf.tensor.is_cuda and leaf.tensor.get_device() == index for leaf in leaves]
-        device_bytes = sum(leaf.tensor.nbytes for leaf, on in zip(leaves, here, strict=True) if on)
-        mode = self._choose(device_bytes)
+    def stage(self, flat: FlatState) -> GpuSnapshot:
+        """Stage the tensors of ``flat`` per the snapshot mode and hand the snapshot to the compressor.
+
+        Training thread; queues GPU work on the caller's current stream and never waits for it.
+        Reads one or two attributes per tensor (a microsecond per tensor matters against 2 ms),
+        and the keys and skeleton of ``flat`` only when some tensor goes to host staging.
+        """
+        tensors = flat.leaf_tensors
+        if self._one_gpu:  # every CUDA tensor of this process is on self.device
+            here = [t.is_cuda for t in tensors]
+        else:
+            index = self.device.index
+            here = [t.is_cuda and t.get_device() == index for t in tensors]
+        mode = self._choose(tensors, here)
         if self.on_mode is not None:
             self.on_mode(mode)
         if mode == "host":
-            here = [False] * len(leaves)
-        host_leaves = [leaf for leaf, on in zip(leaves, here, strict=True) if not on]
-        host_part = self.host.stage(host_leaves) if host_leaves else None
+            here = [False] * len(tensors)
+        host_leaves = [leaf for leaf, on in zip(flat.tensors, here, strict=True) if not on] if not all(here) else []
+        host_part = self.host.stage_leaves(host_leaves) if host_leaves else None
         snapshot = GpuSnapshot(
-            leaves, mode, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes)
+            flat, mode, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes)
         )
-        sources: list[torch.Tensor | StagedTensor] = [leaf.tensor for leaf in leaves]
+        sources: list[torch.Tensor | StagedTensor] = list(tensors)
         if host_part is not None:
             staged = iter(host_part.tensors)
             for i, on in enumerate(here):
                 if not on:
                     sources[i] = next(staged)
-        on_device = [i for i, on in enumerate(here) if on]
         try:
             if mode == "device":
-                self._copy_to_arena(on_device, sources, snapshot)
+                self._copy_to_arena([i for i, on in enumerate(here) if on], sources, snapshot)
             elif mode == "fence":
-                self._fence(on_device, sources, snapshot)
+                self._fence(snapshot)
         except BaseException:
             if host_part is not None:
                 host_part.release()
@@ -197,10 +241,12 @@ class GpuStager:
         self._submit(snapshot)
         return snapshot
 
-    def _choose(self, device_bytes: int) -> str:
+    def _choose(self, tensors: Sequence[torch.Tensor], here: Sequence[bool]) -> str:
+        if self.mode != "auto" and (self.mode != "device" or self.gpu_budget_bytes is None):
+            return self.mode  # no sizes needed: fence saves read no tensor size here
+        device_bytes = sum(t.nbytes for t, on in zip(tensors, here, strict=True) if on)
         if self.mode != "auto":
-            if self.mode == "device" and self.gpu_budget_bytes is not None:
-                self._check_budget(device_bytes)
+            self._check_budget(device_bytes)
             return self.mode
         budget = self.gpu_budget_bytes
         if budget is None:
@@ -245,17 +291,9 @@ class GpuStager:
         began, ended = self._to_arena(on_device, sources, snapshot)
         snapshot.ready, snapshot.copy_timing = ended, (began, ended)
 
-    def _fence(self, on_device: list[int], sources: list[torch.Tensor | StagedTensor],
-               snapshot: GpuSnapshot) -> None:  # fmt: skip
-        # Compression reads the tensors after save() returns, and a tensor stored raw is read later
-        # still, at write time: tiny ones (stored raw) and non-contiguous ones get a copy.
-        copies = [
-            i
-            for i in on_device
-            if (t := sources[i]).nbytes < TINY_BYTES or not t.is_contiguous()  # type: ignore[union-attr]
-        ]
-        if copies:
-            self._to_arena(copies, sources, snapshot)
+    def _fence(self, snapshot: GpuSnapshot) -> None:
+        # Compression reads the tensors after save() returns; the few that must not be read live
+        # (tiny, non-contiguous) are copied by the compressor (copy_fence_stragglers).
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         snapshot.ready = ready

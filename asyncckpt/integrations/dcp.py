@@ -71,7 +71,7 @@ from ..options import resolve_options
 from ..persist import write_durably, write_part
 from ..result import SaveResult
 from ..snapshot import StagedTensor
-from ..tree import TensorLeaf
+from ..tree import FlatState, TensorLeaf
 from . import _staging
 from ._dcp_metadata import DCP_KEY, decode_metadata, encode_metadata
 
@@ -506,7 +506,7 @@ class AsyncCkptStager(AsyncStager):
         try:
             leaves: list[TensorLeaf] = []
             skeleton = _collect(state_dict, "", leaves)
-            snapshot = self._backend.stager.stage(leaves)
+            snapshot = self._backend.stager.stage(FlatState(skeleton={}, tensors=leaves))
         except BaseException:
             self._slots.release()
             raise

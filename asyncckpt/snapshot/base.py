@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ..tree import TensorLeaf
+from ..tree import FlatState
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,11 @@ class Snapshot(Protocol):
 
 
 class Stager(Protocol):
-    def stage(self, leaves: Sequence[TensorLeaf]) -> Snapshot:
-        """Snapshot ``leaves``. Runs on the training thread; must not wait for I/O."""
+    def stage(self, flat: FlatState) -> Snapshot:
+        """Snapshot the tensors of ``flat``. Runs on the training thread; must not wait for I/O.
+
+        ``flat.leaf_tensors`` is ready; its keys and skeleton may be built on first use, so a
+        stager that can do without them on the training thread should."""
         ...
 
     def close(self) -> None: ...

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
-from ..tree import TensorLeaf
+from ..tree import FlatState, TensorLeaf
 from .base import StagedTensor
 
 ALIGN_BYTES = 64
@@ -84,7 +84,13 @@ class HostStager:
             end += (tensor_bytes(leaf.tensor) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
         return offsets, end
 
-    def stage(self, leaves: Sequence[TensorLeaf]) -> HostSnapshot:
+    def stage(self, flat: FlatState) -> HostSnapshot:
+        """Copy every tensor of ``flat`` into host staging. Training thread."""
+        return self.stage_leaves(flat.tensors)
+
+    def stage_leaves(self, leaves: Sequence[TensorLeaf]) -> HostSnapshot:
+        """Copy ``leaves`` into one slot of host staging (pinned where CUDA exists); CUDA sources copy
+        asynchronously on their device's current stream, waited for in ``wait_ready``. Training thread."""
         offsets, total = self._layout(leaves)
         if total * self.slots > self.budget_bytes:
             raise CheckpointError(

@@ -74,6 +74,29 @@ def test_optimizer_steps_right_after_save_never_tear_a_checkpoint(
         assert read_manifest(result.path).io_mode == result.io_mode
 
 
+def test_fence_copies_tiny_and_strided_views_before_the_step_that_overwrites_them(run_dir: Path) -> None:
+    """In fence mode the compressor copies tiny and non-contiguous tensors (save() reads nothing of
+    them); the optimizer step queued right after save() must still wait for those copies."""
+    trainer = Trainer(width=128, layers=2, fused=True)  # fused AdamW: CUDA step counters of 4 bytes
+    trainer.step()
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", codec="auto", max_inflight=2) as ckpt:
+        for step in (1, 2):
+            trainer.backward()
+            weights = {n: p.detach() for n, p in trainer.model.named_parameters()}
+            state = {
+                "optim": trainer.optimizer.state_dict(),
+                "transposed": {n: w.t() for n, w in weights.items() if w.dim() == 2},  # live, non-contiguous
+                "tiny": {n: w for n, w in weights.items() if w.nbytes < 4096},  # stored raw, read at write time
+            }
+            assert state["transposed"] and state["tiny"]
+            reference = clone_state(state)
+            handle = ckpt.save(step, state)
+            for _ in range(3):
+                trainer.optimizer.step()  # overwrites every weight, moment and step counter in place
+            handle.result(120)
+            assert first_difference(reference, asyncckpt.load(run_dir, step=step)) is None, f"step {step}"
+
+
 def test_a_fence_save_is_staged_once_the_gpu_has_read_the_state(run_dir: Path) -> None:
     trainer = Trainer(width=128, layers=2)
     trainer.step()
