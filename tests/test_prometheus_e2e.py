@@ -132,7 +132,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             time.sleep(0.5)
         else:
             raise AssertionError(f"the demos' saves did not reach Prometheus in time\n{stack.log_tail()}")
-        time.sleep(2.5)  # a couple more scrapes, so every rate window has samples after the last save
+        # Every rate() over the dashboard needs two samples of its series, and the load is each
+        # rank's last event: wait for three scrapes of it on both ranks, not a fixed time (a fixed
+        # 2.5 s wait here saw a dashboard query come back empty once, in a full run on 2 cores).
+        scraped = f'count_over_time(asyncckpt_load_seconds_count{{job="{JOB}"}}[5m])'
+        while time.monotonic() < deadline:
+            counts = [float(s["value"][1]) for s in stack.query(scraped)]
+            if len(counts) == RANKS and min(counts) >= 3:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"Prometheus did not scrape the ranks' last samples in time\n{stack.log_tail()}")
         yield stack
     finally:
         for process in processes:
