@@ -13,7 +13,7 @@ containers with ``str``/``int`` keys, exact ``int``/``float``/``str``/``bool``/`
 scalars, and storable non-empty strided CPU/CUDA tensors, not nested near :data:`MAX_DEPTH`. Anything
 else raises :class:`Unusual`, and ``flatten`` runs the full walk, which stores the other types
 and names the key path of anything it refuses. Both walks give the same skeleton, keys and
-leaves (``tests/test_tree.py`` compares them).
+leaves (``tests/test_frame.py`` compares them).
 
 Frame nodes: a dict is ``(container type, keys tuple, values list)``; a list or tuple is
 ``(container type, values list)``; a value is a frame node (always a ``tuple``: user tuples
