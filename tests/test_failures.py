@@ -98,3 +98,30 @@ def test_file_size_limit_in_a_subprocess(run_dir: Path) -> None:
     assert "File too large" in out["result"]
     assert "File too large" in out["close"]  # never reported by save(), so close() raises it
     assert asyncckpt.latest_step(run_dir) == 1
+
+
+_WRITER_AFTER_A_FAILURE = (
+    REFUSED_WRITES_PRELUDE
+    + """
+import json, pathlib, sys, torch
+from asyncckpt.storage.posix import PosixBlobWriter
+writer = PosixBlobWriter(pathlib.Path(sys.argv[1]))
+out = {}
+for name, call in (("big", lambda: writer.append(torch.ones(1 << 19))),  # 2 MiB > the 1 MiB limit
+                   ("small", lambda: writer.append(torch.ones(4))), ("sync", writer.sync)):
+    try:
+        call()
+        out[name] = None
+    except OSError as exc:
+        out[name] = exc.strerror
+writer.close()
+print(json.dumps(out))
+"""
+)
+
+
+def test_a_posix_writer_that_failed_refuses_every_later_append_and_sync(tmp_path: Path) -> None:
+    # Without the refusal, the small append would land at offset 0 and sync would call the file whole.
+    proc = run_python(_WRITER_AFTER_A_FAILURE, str(tmp_path / "data.bin"))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"big": "File too large", "small": "File too large", "sync": "File too large"}

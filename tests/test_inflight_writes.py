@@ -58,3 +58,19 @@ def test_a_failed_write_is_raised_by_the_wait_that_reaches_it_and_discard_forget
         assert caught.value.errno == errno.EBADF
         assert len(writes.discard()) == 1 and writes.discard() == []
     os.close(fd)
+
+
+def test_a_failure_stays_raised_so_a_file_with_a_hole_is_never_synced_as_whole(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "read-only.bin", os.O_RDONLY | os.O_CREAT, 0o600)  # every pwrite fails: EBADF
+    with ThreadPoolExecutor(1) as pool:
+        writes = InflightWrites(limit_bytes=1 << 20)
+        writes.add(pool.submit(pwrite_fully, fd, b"x" * 10, 0).result, 10)
+        with pytest.raises(OSError) as first:
+            writes.wait_all()
+        # A caller that caught the error and went on: every later call raises the same failure.
+        for call in (writes.raise_if_failed, writes.wait_all, lambda: writes.add(lambda: None, 10)):
+            with pytest.raises(OSError) as again:
+                call()
+            assert again.value is first.value
+        assert writes.discard() == []  # the refused add queued nothing
+    os.close(fd)

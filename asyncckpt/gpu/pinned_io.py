@@ -117,7 +117,13 @@ class PinnedPosixWriter:
     is written. The writer keeps every buffer alive until it is written and bounds the bytes
     queued to ``inflight_bytes`` (``append`` waits for the oldest write beyond that). ``sync``
     waits for every write, then ``fsync``\\s; the first failed write (a full disk) is raised by
-    the ``append`` or ``sync`` that waits for it. Used by one thread (the checkpoint worker).
+    the ``append`` or ``sync`` that waits for it, and by every call after that. Used by one
+    thread (the checkpoint worker).
+
+    Device buffers are complete when appended (the :class:`~asyncckpt.storage.BlobWriter`
+    contract: the compressor synchronises its stream before it hands a group over), so the
+    copies wait for no stream: an event on the worker's current stream, which is training's
+    default stream, would hold each write behind the training work queued when it was appended.
     """
 
     def __init__(self, path: Path, device: torch.device, inflight_bytes: int) -> None:
@@ -133,27 +139,22 @@ class PinnedPosixWriter:
     def append(self, data: torch.Tensor) -> int:
         assert self._fd is not None, "writer is closed"
         assert data.dtype == torch.uint8 and data.dim() == 1 and data.is_contiguous(), "blobs are 1-D uint8 bytes"
+        self._writes.raise_if_failed()  # a file with a hole is not written on
         offset = align_up(self._end)
         size = data.numel()
         if size:
-            ready = None
-            if data.is_cuda:  # the writer's stream reads `data` only after the work queued for it so far
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(data.device))
-            self._writes.add(self._pool.submit(self._write, data, offset, ready).result, size)
+            self._writes.add(self._pool.submit(self._write, data, offset).result, size)
         self._end = offset + size
         return offset
 
-    def _write(self, data: torch.Tensor, offset: int, ready: torch.cuda.Event | None) -> None:
-        """Writer thread: all of ``data`` at ``offset``."""
+    def _write(self, data: torch.Tensor, offset: int) -> None:
+        """Writer thread: all of ``data`` (complete, see the class docstring) at ``offset``."""
         assert self._fd is not None
         if data.is_cuda and data.device != self.device:  # another GPU's memory: a plain synchronous copy
             data = data.cpu()
         if not data.is_cuda:
             pwrite_fully(self._fd, data.numpy(), offset)
             return
-        assert ready is not None
-        self._stream.wait_event(ready)
         pending: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):

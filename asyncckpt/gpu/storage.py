@@ -80,6 +80,7 @@ class KvikioBlobWriter:
 
     def append(self, data: torch.Tensor) -> int:
         assert self._file is not None, "writer is closed"
+        self._writes.raise_if_failed()  # a file with a hole is not written on
         offset = align_up(self._end)
         size = data.numel()
         if size:

@@ -29,14 +29,25 @@ class InflightWrites:
     keeps its buffer alive until then). :meth:`add` waits for the oldest writes while more than
     ``limit_bytes`` are queued, always leaving the newest one running, so the memory held by
     queued buffers stays bounded.
+
+    A failure is sticky: once a wait has raised, :meth:`add`, :meth:`wait_all` and
+    :meth:`raise_if_failed` raise it again, so a file with a hole in it is never synced as if
+    whole, even by a caller that caught the first error.
     """
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
         self._queue: deque[tuple[Callable[[], object], int]] = deque()
         self._bytes = 0
+        self._failure: BaseException | None = None
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of an earlier write again (a writer calls it before starting another)."""
+        if self._failure is not None:
+            raise self._failure
 
     def add(self, wait: Callable[[], object], size: int) -> None:
+        self.raise_if_failed()
         self._queue.append((wait, size))
         self._bytes += size
         while self._bytes > self.limit_bytes and len(self._queue) > 1:
@@ -44,6 +55,7 @@ class InflightWrites:
 
     def wait_all(self) -> None:
         """Wait for every queued write in order; the first failure is raised (later ones stay queued)."""
+        self.raise_if_failed()
         while self._queue:
             self._wait_oldest()
 
@@ -57,7 +69,11 @@ class InflightWrites:
     def _wait_oldest(self) -> None:
         wait, size = self._queue.popleft()
         self._bytes -= size
-        wait()
+        try:
+            wait()
+        except BaseException as exc:
+            self._failure = exc
+            raise
 
 
 class BlobWriter(Protocol):
@@ -67,14 +83,17 @@ class BlobWriter(Protocol):
         """Queue ``data`` for writing at the next aligned offset and return that offset.
 
         The writer keeps a reference to ``data`` until it is written (writes may be queued);
-        the caller must not modify it until :meth:`sync` returns.
+        the caller must not modify it until :meth:`sync` returns. Device memory must already
+        hold its bytes (the stream that produced them synchronised): writers read it from their
+        own threads and streams, ordered after no stream of the caller's (cuFile's DMA cannot
+        be). After a failed write, every later ``append`` and ``sync`` raises that failure.
         """
         ...
 
     def sync(self) -> int:
         """Wait for every queued write, then flush the file to stable storage (fsync).
 
-        Returns the file's size in bytes.
+        Returns the file's size in bytes. Raises the first failed write, every time it is called.
         """
         ...
 

@@ -33,25 +33,39 @@ def pwrite_fully(fd: int, buffer: Any, offset: int) -> None:
 
 
 class PosixBlobWriter:
+    """Writes each blob on the calling thread; a failed write is raised again by every later call."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = create_for_writing(path)
         self._end = 0
+        self._failure: OSError | None = None
 
     def append(self, data: torch.Tensor) -> int:
         assert self._fd is not None, "writer is closed"
+        self._raise_if_failed()
         if data.device.type != "cpu":
             data = data.cpu()
         offset = align_up(self._end)
         view = data.numpy().data.cast("B")
-        pwrite_fully(self._fd, view, offset)
+        try:
+            pwrite_fully(self._fd, view, offset)
+        except OSError as exc:
+            self._failure = exc
+            raise
         self._end = offset + len(view)
         return offset
 
     def sync(self) -> int:
         assert self._fd is not None, "writer is closed"
+        self._raise_if_failed()
         os.fsync(self._fd)
         return self._end
+
+    def _raise_if_failed(self) -> None:
+        # A caller that caught a failed append must not sync the file with a hole in it as if whole.
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
         if self._fd is not None:

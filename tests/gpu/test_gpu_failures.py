@@ -59,3 +59,39 @@ def test_a_refused_write_fails_the_save_and_keeps_the_last_checkpoint(
         assert "File too large" in out["result"] and "File too large" in out["close"], out
     assert out["latest"] == 1 and out["kept_intact"], out
     assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp-")], "the failed save left a temporary dir"
+
+
+_WRITER_AFTER_A_FAILURE = (
+    REFUSED_WRITES_PRELUDE
+    + """
+import json, pathlib, sys, torch
+from asyncckpt.gpu import pinned_io, storage
+path, kind = pathlib.Path(sys.argv[1]), sys.argv[2]
+device = torch.device("cuda", 0)
+if kind == "pinned":
+    writer = pinned_io.PinnedPosixWriter(path, device, inflight_bytes=64 << 20)
+else:
+    writer = storage.KvikioBlobWriter(path, inflight_bytes=64 << 20)
+big = torch.ones(2 << 20, dtype=torch.uint8, device=device)  # 2 MiB > the 1 MiB limit
+small = torch.ones(4, dtype=torch.uint8, device=device)
+torch.cuda.synchronize()
+out = {}
+for name, call in (("big", lambda: writer.append(big)), ("sync", writer.sync),
+                   ("small", lambda: writer.append(small)), ("sync again", writer.sync)):
+    try:
+        call()
+        out[name] = None
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+writer.close()
+print(json.dumps(out))
+"""
+)
+
+
+@pytest.mark.parametrize("kind", ["pinned", "kvikio"])
+def test_a_device_writer_that_failed_refuses_every_later_append_and_sync(tmp_path: Path, kind: str) -> None:
+    proc = run_python(_WRITER_AFTER_A_FAILURE, str(tmp_path / "data.bin"), kind, env=subprocess_env(), timeout=120)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["big"] is None, out  # queued: the failure surfaces when it is waited for
+    assert out["sync"] is not None and out["small"] == out["sync"] and out["sync again"] == out["sync"], out

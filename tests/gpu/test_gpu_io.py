@@ -50,6 +50,7 @@ def test_pinned_writer_writes_device_and_host_buffers_at_aligned_offsets(
         for n in (50_001, 1, 0, 4096, 12_289)
     ]
     buffers.insert(2, torch.arange(7_000, dtype=torch.int64).to(torch.uint8))  # a host buffer among device ones
+    torch.cuda.synchronize()  # appended device bytes are complete (the BlobWriter contract)
     path = tmp_path / "data.bin"
     writer = pinned_io.PinnedPosixWriter(path, device, inflight_bytes=10_000)  # appends wait for older writes
     try:
@@ -64,6 +65,24 @@ def test_pinned_writer_writes_device_and_host_buffers_at_aligned_offsets(
         assert content[offset : offset + buf.numel()] == buf.cpu().numpy().tobytes()
     with pytest.raises(FileExistsError):  # a data file is written once
         pinned_io.PinnedPosixWriter(path, device, inflight_bytes=10_000)
+
+
+def test_pinned_writer_does_not_wait_for_work_queued_on_the_callers_stream(tmp_path: Path) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    path = tmp_path / "data.bin"
+    writer = pinned_io.PinnedPosixWriter(path, device, inflight_bytes=1 << 20)
+    try:
+        torch.cuda._sleep(4_000_000_000)  # seconds of GPU clock cycles queued on the caller's stream, as training's
+        offset = writer.append(data)
+        size = writer.sync()
+        caller_still_busy = not torch.cuda.current_stream(device).query()
+    finally:
+        torch.cuda.synchronize()
+        writer.close()
+    assert caller_still_busy, "the write waited for the caller's stream"
+    assert offset == 0 and size == data.numel() and path.read_bytes() == data.cpu().numpy().tobytes()
 
 
 def test_copy_ranges_packs_chunks_at_any_alignment() -> None:
