@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -341,12 +342,30 @@ def versions() -> dict[str, str | None]:
 
 
 def _git_commit() -> str | None:
+    """``git describe``, and for a dirty tree also the id of the tree that ran (``tree <hash>``).
+
+    The device tool copies the working tree onto a checkout whose ``HEAD`` stays at the
+    session's first commit, so there ``describe`` names an older commit and says ``dirty``; the
+    tree id (the files as ``git add -A`` would stage them, through a scratch index) is what
+    ``git log --format='%h %t'`` shows for the commit that actually ran.
+    """
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"], capture_output=True,
                              text=True, timeout=10, check=True)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    described = out.stdout.strip() or None
+    if described is None or not described.endswith("-dirty"):
+        return described
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        try:
+            for command in (["add", "-A"], ["write-tree"]):
+                tree = subprocess.run(["git", "-C", str(REPO_ROOT), *command], capture_output=True, text=True,
+                                      timeout=60, check=True, env=env)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return described
+    return f"{described}, tree {tree.stdout.strip()[:10]}"
 
 
 def _cpu_model() -> str:
