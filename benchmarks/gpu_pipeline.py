@@ -133,6 +133,16 @@ class _Plain:
             for i, t in enumerate(tensors)
         ]
 
+    # The rest of the Snapshot protocol: the tensors are the caller's, nothing to wait for or free.
+    def wait_ready(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def gpu_busy_seconds(self) -> float:
+        return 0.0
+
 
 def _classes(precision: str, steps: int, width: int, progress: Progress) -> dict[str, list[torch.Tensor]]:
     config = WorkloadConfig(width=width, layers=4, context=128, batch=16, seed=1)
@@ -223,7 +233,7 @@ def chunk_sweep(tensors: list[torch.Tensor], total_bytes: int, progress: Progres
         )
         progress.say(
             f"sweep {codec} chunk {chunk >> 10} KiB: {fmt_rate(stats.encode_bytes_per_second)} on the GPU, "
-            f"{fmt_rate(rows[-1]['wall_bytes_per_second'])} wall, {rows[-1]['ratio']:.3f}x"
+            f"{fmt_rate(stats.raw_bytes / stats.wall_seconds)} wall, {rows[-1]['ratio']:.3f}x"
         )
     del big, pieces, flat
     return rows
