@@ -70,13 +70,17 @@ def alias_index(t: torch.Tensor, ptr: int, first: int, seen: torch.Tensor,
 
     Two leaves are the same tensor if they are identical views of the same memory (tied
     weights appear twice in a state_dict): stored once, restored as one object. Views that
-    differ in dtype, shape or stride are distinct leaves, added with ``append``. CPU and CUDA
-    pointers never coincide (unified virtual addressing), nor do two GPUs'; the device kind is
-    in the key all the same. ``first`` gets its key here, at the first collision; every other
-    non-empty leaf at this address came through here and has its key already.
+    differ in dtype, shape, stride or in the lazy conjugate and negative bits (``z.conj()`` and
+    ``z.conj().imag`` share ``z``'s memory but not its values) are distinct leaves, added with
+    ``append``. CPU and CUDA pointers never coincide (unified virtual addressing), nor do two
+    GPUs'; the device kind is in the key all the same. ``first`` gets its key here, at the
+    first collision; every other non-empty leaf at this address came through here and has its
+    key already.
     """
-    by_alias.setdefault((ptr, seen.is_cuda, seen.dtype, seen.shape, seen.stride()), first)
-    key = (ptr, t.is_cuda, t.dtype, t.shape, t.stride())
+    by_alias.setdefault(
+        (ptr, seen.is_cuda, seen.dtype, seen.shape, seen.stride(), seen.is_conj(), seen.is_neg()), first
+    )
+    key = (ptr, t.is_cuda, t.dtype, t.shape, t.stride(), t.is_conj(), t.is_neg())
     index = by_alias.get(key)
     if index is None:
         index = by_alias[key] = append(t)

@@ -23,7 +23,7 @@ def clone_state(state: Any) -> Any:
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    flat = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)  # the values, not the memory
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 

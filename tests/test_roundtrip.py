@@ -55,6 +55,18 @@ def test_shapes_views_and_shared_storage(run_dir: Path) -> None:
     assert restored["transposed"].is_contiguous()
 
 
+@pytest.mark.parametrize("n", [3, 3000])  # a host clone and an arena copy (asyncckpt.snapshot.host.CLONE_BYTES)
+def test_conjugate_and_negative_views_keep_their_values_beside_their_base(run_dir: Path, n: int) -> None:
+    z = torch.randn(n, dtype=torch.complex64, generator=torch.Generator().manual_seed(n))
+    # All four share z's memory: the lazy conjugate and negative bits make them different values.
+    state = {"z": z, "conj": z.conj(), "imag": z.imag, "neg_imag": z.conj().imag}
+    assert state["conj"].is_conj() and state["neg_imag"].is_neg()
+    restored = _roundtrip(run_dir, state, codec="zstd")
+    assert first_difference(state, restored) is None
+    assert torch.equal(restored["conj"], z.conj()) and torch.equal(restored["neg_imag"], -z.imag)
+    assert restored["conj"] is not restored["z"]
+
+
 def test_structure_and_plain_values(run_dir: Path) -> None:
     state = {
         "odict": OrderedDict([("b", 1), ("a", 2)]),
