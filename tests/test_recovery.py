@@ -37,16 +37,16 @@ def test_out_of_memory_while_staging_keeps_the_slot(run_dir: Path, monkeypatch: 
     real_empty = torch.empty
 
     def empty_failing_for_the_arena(*args: object, **kwargs: object) -> torch.Tensor:
-        if args and args[0] == 4096 and kwargs.get("dtype") is torch.uint8:
+        if args and args[0] == 8192 and kwargs.get("dtype") is torch.uint8:
             raise RuntimeError("out of memory (pinned host allocation)")
         return real_empty(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
 
     with asyncckpt.AsyncCheckpointer(run_dir, max_inflight=1) as ckpt:
         monkeypatch.setattr(host.torch, "empty", empty_failing_for_the_arena)
         with pytest.raises(RuntimeError, match="out of memory"):
-            ckpt.save(1, {"w": torch.ones(1024)})  # 4096 bytes of staging
+            ckpt.save(1, {"w": torch.ones(2048)})  # 8192 bytes of staging (over CLONE_BYTES: the arena)
         monkeypatch.undo()
-        ckpt.save(2, {"w": torch.ones(1024)}).result()
+        ckpt.save(2, {"w": torch.ones(2048)}).result()
     assert asyncckpt.latest_step(run_dir) == 2
 
 

@@ -38,6 +38,19 @@ def test_every_dtype_roundtrips_bit_for_bit(run_dir: Path, codec: str) -> None:
     assert set(DTYPE_BY_NAME) >= {"bfloat16", "float8_e4m3fn", "complex64", "bool", "uint64"}
 
 
+def test_every_small_dtype_roundtrips_under_deterministic_algorithms(run_dir: Path) -> None:
+    # Lightning's deterministic=True turns this on for the whole process; fresh tensors are then
+    # filled on allocation, which torch cannot do for every dtype (float4).
+    state = {name: _every_dtype_tensor(dtype)[:1] for name, dtype in DTYPE_BY_NAME.items()}  # small: host clones
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        restored = _roundtrip(run_dir, state, codec="none")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert first_difference(state, restored) is None
+
+
 def test_shapes_views_and_shared_storage(run_dir: Path) -> None:
     base = torch.arange(60, dtype=torch.float32).view(6, 10)
     state = {

@@ -23,13 +23,12 @@ from ..backend import CPU_ENCODERS, cpu_encoder
 from ..codecs import Encoder
 from ..dtypes import dtype_name
 from ..errors import CheckpointError
-from ..gpu.snapshot import bytes_view
 from ..layout import resolve_checkpoint
 from ..loader import load
 from ..manifest import Manifest, read_manifest
 from ..options import CODEC_NAMES, CheckpointOptions
 from ..persist import SaveJob, persist
-from ..snapshot import StagedTensor
+from ..snapshot import StagedTensor, bytes_view
 from ..storage import PosixStorage, Storage
 from ..tree import flatten
 

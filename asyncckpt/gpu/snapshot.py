@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..codecs import EncodedBlob
-from ..snapshot import Snapshot, StagedTensor
+from ..snapshot import HostCopy, StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
 from .fence import FenceGate
 
@@ -101,15 +101,16 @@ class GpuSnapshot:
     (:func:`~asyncckpt.gpu.staging.copy_fence_stragglers`); :attr:`tensors` waits for that.
     """
 
-    def __init__(self, flat: FlatState, mode: str, device: torch.device, host_part: Snapshot | None,
+    def __init__(self, flat: FlatState, mode: str, device: torch.device, host_part: HostCopy | None,
                  channel: BlobChannel) -> None:  # fmt: skip
         self.flat = flat
         self.mode = mode
         self.device = device
         self.host_part = host_part
         self.channel = channel
-        self.sources: list[torch.Tensor | StagedTensor] = []
-        """Per leaf: its StagedTensor (host staging), arena bytes (device) or the tensor to read (fence)."""
+        self.sources: list[torch.Tensor] = []
+        """Per leaf: its host copy (CPU tensors; ``host`` mode), its arena bytes (``device``) or the
+        tensor itself, read live (``fence``)."""
         self.staging_bytes = host_part.staging_bytes if host_part is not None else 0
         self.ready: torch.cuda.Event | None = None
         """Recorded on the caller's stream after the snapshot copies (or at save() for fence)."""
@@ -131,8 +132,7 @@ class GpuSnapshot:
         with self._lock:
             if self._tensors is None:
                 self._tensors = [
-                    source if isinstance(source, StagedTensor) else _staged(leaf, source)
-                    for leaf, source in zip(self.flat.tensors, self.sources, strict=True)
+                    _staged(leaf, source) for leaf, source in zip(self.flat.tensors, self.sources, strict=True)
                 ]
             return self._tensors
 
@@ -183,12 +183,6 @@ class GpuSnapshot:
         self.sources_final.set()  # the compressor is done with it; never leave a reader waiting
         if self.on_release is not None:
             self.on_release()
-
-
-def bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a 1-D uint8 view (no copy)."""
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
 def _staged(leaf: TensorLeaf, data: torch.Tensor) -> StagedTensor:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..snapshot import HostStager, StagedTensor
+from ..snapshot import HostStager
 from ..tree import FlatState
 from . import fence
 from .snapshot import BlobChannel, GpuSnapshot
@@ -81,22 +81,24 @@ def copy_fence_stragglers(snapshot: GpuSnapshot) -> None:
     Compressor thread, on the compressor stream, after that stream waited for ``snapshot.ready``
     and before the gate opens, so the copies read the state at the save point. A tiny tensor is
     stored raw and read at write time, after the gate opened; a non-contiguous one needs a
-    contiguous copy to be compressed. The buffer is allocated on the compressor stream and
-    lives as long as the snapshot's sources. ``snapshot.tensors`` waits for this.
+    contiguous copy to be compressed, and so does a conjugate or negative view. The buffer is
+    allocated on the compressor stream and lives as long as the snapshot's sources. ``snapshot.tensors`` waits for this.
     """
     try:
         sources = snapshot.sources
         copies = [
             i
             for i, t in enumerate(sources)
-            if isinstance(t, torch.Tensor) and (t.nbytes < TINY_BYTES or not t.is_contiguous())
+            # Host copies are final already. A conjugate or negative view's memory holds the
+            # values before that lazy operation: the copy applies it.
+            if t.is_cuda and (t.nbytes < TINY_BYTES or not t.is_contiguous() or t.is_conj() or t.is_neg())
         ]
         if copies:
             live = [sources[i] for i in copies]
-            offsets, total = aligned_layout(live)  # type: ignore[arg-type]
+            offsets, total = aligned_layout(live)
             buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=snapshot.device)
-            typed, raw = packed_views(buffer, live, offsets)  # type: ignore[arg-type]
-            torch._foreach_copy_(typed, live)  # type: ignore[arg-type]
+            typed, raw = packed_views(buffer, live, offsets)
+            torch._foreach_copy_(typed, live)
             for i, data in zip(copies, raw, strict=True):
                 sources[i] = data
     finally:
@@ -202,7 +204,8 @@ class GpuStager:
 
         Training thread; queues GPU work on the caller's current stream and never waits for it.
         Reads one or two attributes per tensor (a microsecond per tensor matters against 2 ms),
-        and the keys and skeleton of ``flat`` only when some tensor goes to host staging.
+        and never the keys or skeleton of ``flat``; tensors off this device are copied to host
+        memory here (:meth:`~asyncckpt.snapshot.HostStager.copy`).
         """
         tensors = flat.leaf_tensors
         if self._one_gpu:  # every CUDA tensor of this process is on self.device
@@ -215,17 +218,15 @@ class GpuStager:
             self.on_mode(mode)
         if mode == "host":
             here = [False] * len(tensors)
-        host_leaves = [leaf for leaf, on in zip(flat.tensors, here, strict=True) if not on] if not all(here) else []
-        host_part = self.host.stage_leaves(host_leaves) if host_leaves else None
+        sources = list(tensors)
+        off_device = [i for i, on in enumerate(here) if not on]
+        host_part = self.host.copy([tensors[i] for i in off_device]) if off_device else None
         snapshot = GpuSnapshot(
             flat, mode, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes)
         )
-        sources: list[torch.Tensor | StagedTensor] = list(tensors)
         if host_part is not None:
-            staged = iter(host_part.tensors)
-            for i, on in enumerate(here):
-                if not on:
-                    sources[i] = next(staged)
+            for i, copy in zip(off_device, host_part.copies, strict=True):
+                sources[i] = copy
         try:
             if mode == "device":
                 self._copy_to_arena([i for i, on in enumerate(here) if on], sources, snapshot)
@@ -267,12 +268,12 @@ class GpuStager:
                 "(argument or ASYNCCKPT_GPU_STAGING_BUDGET_BYTES), or use snapshot='fence' or 'host'"
             )
 
-    def _to_arena(self, indices: list[int], sources: list[torch.Tensor | StagedTensor],
+    def _to_arena(self, indices: list[int], sources: list[torch.Tensor],
                   snapshot: GpuSnapshot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
-        """Copy ``sources[i]`` for ``indices`` into an arena slot with one ``_foreach_copy_`` on the
-        caller's stream; ``sources[i]`` becomes the slot's bytes. Returns (began, ended) events."""
-        tensors = [t for t in (sources[i] for i in indices) if isinstance(t, torch.Tensor)]
-        assert len(tensors) == len(indices), "only device tensors go to the arena"
+        """Copy ``sources[i]`` (tensors on this device) for ``indices`` into an arena slot with one
+        ``_foreach_copy_`` on the caller's stream; ``sources[i]`` becomes the slot's bytes.
+        Returns (began, ended) events."""
+        tensors = [sources[i] for i in indices]
         slot, typed, raw = self.arena.acquire(tensors)
         snapshot.on_release = lambda: self.arena.release(slot)
         stream = torch.cuda.current_stream(self.device)
@@ -286,7 +287,7 @@ class GpuStager:
             snapshot.staging_bytes += data.numel()
         return began, ended
 
-    def _copy_to_arena(self, on_device: list[int], sources: list[torch.Tensor | StagedTensor],
+    def _copy_to_arena(self, on_device: list[int], sources: list[torch.Tensor],
                        snapshot: GpuSnapshot) -> None:  # fmt: skip
         began, ended = self._to_arena(on_device, sources, snapshot)
         snapshot.ready, snapshot.copy_timing = ended, (began, ended)

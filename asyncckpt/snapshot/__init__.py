@@ -1,6 +1,6 @@
 """Snapshot stagers: host copies here; GPU staging arena and fences in :mod:`asyncckpt.gpu`."""
 
-from .base import Snapshot, StagedTensor, Stager
-from .host import HostStager
+from .base import Snapshot, StagedTensor, Stager, bytes_view
+from .host import HostCopy, HostSnapshot, HostStager
 
-__all__ = ["HostStager", "Snapshot", "StagedTensor", "Stager"]
+__all__ = ["HostCopy", "HostSnapshot", "HostStager", "Snapshot", "StagedTensor", "Stager", "bytes_view"]

@@ -37,6 +37,12 @@ class StagedTensor:
     """1-D uint8: the tensor's bytes in C order, host or device memory, owned by the stager."""
 
 
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D uint8 view (no copy)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
 class Snapshot(Protocol):
     @property
     def tensors(self) -> Sequence[StagedTensor]: ...

@@ -19,11 +19,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
-from ..tree import FlatState, TensorLeaf
-from .base import StagedTensor
+from ..tree import FlatState
+from .base import StagedTensor, bytes_view
 
 ALIGN_BYTES = 64
 """Each tensor starts at a multiple of 64 bytes in the arena, so typed views are aligned."""
+
+CLONE_BYTES = 4096
+"""CPU tensors up to this size are cloned instead of copied into the arena (:meth:`HostStager.copy`)."""
+
+_CLONEABLE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+)  # fmt: skip
+"""Dtypes a clone allocates without trouble. Others stay in the arena, a view of bytes: allocating
+complex32 warns that it is experimental, and under ``torch.use_deterministic_algorithms(True)``
+(Lightning's ``deterministic=True``) a new float4 tensor fails in the fill of fresh memory."""
 
 
 def default_host_budget_bytes() -> int:
@@ -39,8 +50,16 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 @dataclass
-class HostSnapshot:
-    tensors: list[StagedTensor]
+class HostCopy:
+    """Copies of some tensors in host memory, taken on the training thread; no key paths.
+
+    ``copies[i]`` has the dtype and shape ``tensors[i]`` had at the copy, in C order: a typed
+    view of the stager's slot, or for a small CPU tensor a clone of its own. ``devices[i]`` is
+    where the tensor lived.
+    """
+
+    copies: list[torch.Tensor]
+    devices: list[torch.device]
     staging_bytes: int
     _slot: torch.Tensor
     _free: queue.SimpleQueue[torch.Tensor]
@@ -61,7 +80,41 @@ class HostSnapshot:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.copies = []
             self._free.put(self._slot)
+
+
+class HostSnapshot:
+    """A :class:`HostCopy` of every tensor of a state; its :class:`StagedTensor` list (with the
+    state's key paths) is built on first use, on the worker thread."""
+
+    def __init__(self, copy: HostCopy, flat: FlatState) -> None:
+        self.copy = copy
+        self.flat = flat
+        self._tensors: list[StagedTensor] | None = None
+
+    @property
+    def tensors(self) -> list[StagedTensor]:
+        if self._tensors is None:
+            self._tensors = [
+                StagedTensor(key=leaf.key, dtype=c.dtype, shape=tuple(c.shape), device=device, data=bytes_view(c))
+                for leaf, c, device in zip(self.flat.tensors, self.copy.copies, self.copy.devices, strict=True)
+            ]
+        return self._tensors
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.copy.staging_bytes
+
+    def wait_ready(self) -> None:
+        self.copy.wait_ready()
+
+    def gpu_busy_seconds(self) -> float:
+        return self.copy.gpu_busy_seconds()
+
+    def release(self) -> None:
+        self.copy.release()
+        self._tensors = []
 
 
 class HostStager:
@@ -77,21 +130,21 @@ class HostStager:
         for _ in range(slots):
             self._free.put(torch.empty(0, dtype=torch.uint8))
 
-    def _layout(self, leaves: Sequence[TensorLeaf]) -> tuple[list[int], int]:
-        offsets, end = [], 0
-        for leaf in leaves:
-            offsets.append(end)
-            end += (tensor_bytes(leaf.tensor) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-        return offsets, end
-
     def stage(self, flat: FlatState) -> HostSnapshot:
-        """Copy every tensor of ``flat`` into host staging. Training thread."""
-        return self.stage_leaves(flat.tensors)
+        """Copy every tensor of ``flat`` into host staging. Training thread; reads no key path."""
+        return HostSnapshot(self.copy(flat.leaf_tensors), flat)
 
-    def stage_leaves(self, leaves: Sequence[TensorLeaf]) -> HostSnapshot:
-        """Copy ``leaves`` into one slot of host staging (pinned where CUDA exists); CUDA sources copy
-        asynchronously on their device's current stream, waited for in ``wait_ready``. Training thread."""
-        offsets, total = self._layout(leaves)
+    def copy(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Copy ``tensors`` to host memory. Training thread.
+
+        A CPU tensor of at most :data:`CLONE_BYTES` is cloned (a third of the time of a slot view
+        and copy: an AdamW state on CUDA holds one 4-byte CPU ``step`` per parameter); every other
+        tensor goes to one slot of the arena, pinned where CUDA exists. CUDA sources copy
+        asynchronously on their device's current stream, waited for in ``wait_ready``.
+        """
+        cloneable = _CLONEABLE
+        cloned = [t.is_cpu and t.nbytes <= CLONE_BYTES and t.dtype in cloneable for t in tensors]
+        offsets, total = self._layout([t for t, small in zip(tensors, cloned, strict=True) if not small])
         if total * self.slots > self.budget_bytes:
             raise CheckpointError(
                 f"the state needs {total} bytes of host staging per save and max_inflight={self.slots} saves may be "
@@ -104,18 +157,21 @@ class HostStager:
             if slot.numel() < total:
                 slot = torch.empty(0, dtype=torch.uint8)  # free the old slot before allocating the larger one
                 slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-            staged, cuda_devices = [], set()
-            for leaf, offset in zip(leaves, offsets, strict=True):
-                src = leaf.tensor
-                nbytes = tensor_bytes(src)
-                raw = slot[offset : offset + nbytes]
-                if nbytes:
+            copies, devices, cuda_devices, clone_bytes = [], [], set(), 0
+            at = iter(offsets)
+            for src, small in zip(tensors, cloned, strict=True):
+                if small:
+                    copy = src.clone(memory_format=torch.contiguous_format)
+                    clone_bytes += copy.nbytes
+                else:
+                    offset = next(at)
+                    copy = slot[offset : offset + tensor_bytes(src)].view(src.dtype).view(src.shape)
                     # non_blocking only matters for CUDA sources (pinned destination); CPU copies are synchronous.
-                    raw.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
-                if src.is_cuda:
-                    cuda_devices.add(src.device)
-                staged.append(StagedTensor(key=leaf.key, dtype=src.dtype, shape=tuple(src.shape), device=src.device,
-                                           data=raw))  # fmt: skip
+                    copy.copy_(src, non_blocking=src.is_cuda)
+                    if src.is_cuda:
+                        cuda_devices.add(src.device)
+                copies.append(copy)
+                devices.append(src.device)
             # A device-to-host copy runs on its source device's current stream: one event per device.
             copies_done = []
             for device in cuda_devices:
@@ -125,8 +181,16 @@ class HostStager:
         except BaseException:
             self._free.put(slot)  # a failed stage (out of memory, a bad copy) must not lose the slot
             raise
-        return HostSnapshot(tensors=staged, staging_bytes=total, _slot=slot, _free=self._free,
-                            _copies_done=copies_done)  # fmt: skip
+        return HostCopy(copies=copies, devices=devices, staging_bytes=total + clone_bytes, _slot=slot,
+                        _free=self._free, _copies_done=copies_done)  # fmt: skip
+
+    @staticmethod
+    def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+        offsets, end = [], 0
+        for t in tensors:
+            offsets.append(end)
+            end += (tensor_bytes(t) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        return offsets, end
 
     def close(self) -> None:
         while not self._free.empty():

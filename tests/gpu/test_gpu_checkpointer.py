@@ -109,6 +109,7 @@ def test_a_fence_save_is_staged_once_the_gpu_has_read_the_state(run_dir: Path) -
 def test_odd_tensors_and_mixed_devices_round_trip_in_every_mode(run_dir: Path) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(300, 200, device="cuda", generator=gen)
+    z = torch.randn(50_000, dtype=torch.complex64, device="cuda", generator=gen)
     state = {
         "transposed": base.t(),  # non-contiguous
         "strided": base[::3, 1::2],
@@ -121,6 +122,11 @@ def test_odd_tensors_and_mixed_devices_round_trip_in_every_mode(run_dir: Path) -
         "cpu_scalar": torch.tensor(7),
         "same": [base, base],  # one tensor twice: stored once, restored as one object
         "meta": {"lr": 1e-3, "name": "x"},
+        "z": z,  # with lazy conjugate and negative views of its memory: other values, other leaves
+        "conj": z.conj(),
+        "neg_imag": z.conj().imag,
+        "small_conj": z[:3].conj(),
+        "cpu_conj": z[:3].cpu().conj(),
     }
     reference = clone_state(state)
     for i, snapshot in enumerate(("device", "fence", "host", "auto"), start=1):
@@ -130,6 +136,7 @@ def test_odd_tensors_and_mixed_devices_round_trip_in_every_mode(run_dir: Path) -
         assert first_difference(reference, restored) is None, snapshot
         assert restored["cpu"].device.type == "cpu" and restored["ints"].is_cuda
         assert restored["same"][0] is restored["same"][1]
+        assert torch.equal(restored["conj"], z.conj()) and torch.equal(restored["neg_imag"], -z.imag), snapshot
 
 
 def test_corruption_is_caught_on_the_device_and_names_tensor_and_file(run_dir: Path) -> None:
