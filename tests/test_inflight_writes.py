@@ -6,6 +6,7 @@ import errno
 import functools
 import os
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -67,10 +68,12 @@ def test_a_failure_stays_raised_so_a_file_with_a_hole_is_never_synced_as_whole(t
         writes.add(pool.submit(pwrite_fully, fd, b"x" * 10, 0).result, 10)
         with pytest.raises(OSError) as first:
             writes.wait_all()
+        depth = len(traceback.extract_tb(first.value.__traceback__))
         # A caller that caught the error and went on: every later call raises the same failure.
         for call in (writes.raise_if_failed, writes.wait_all, lambda: writes.add(lambda: None, 10)):
             with pytest.raises(OSError) as again:
                 call()
             assert again.value is first.value
+            assert len(traceback.extract_tb(again.value.__traceback__)) <= depth + 2  # not one frame more per raise
         assert writes.discard() == []  # the refused add queued nothing
     os.close(fd)

@@ -121,7 +121,8 @@ class PinnedPosixWriter:
     thread (the checkpoint worker).
 
     Device buffers are complete when appended (the :class:`~asyncckpt.storage.BlobWriter`
-    contract: the compressor synchronises its stream before it hands a group over), so the
+    contract: the compressor synchronises its stream before it hands a group over, and
+    ``write_part`` waits for the snapshot's staging copies before its first append), so the
     copies wait for no stream: an event on the worker's current stream, which is training's
     default stream, would hold each write behind the training work queued when it was appended.
     """

@@ -31,6 +31,8 @@ class StagedSave:
     snapshot: Snapshot
     stall_seconds: float
     on_release: Callable[[], None]
+    storages: frozenset[int] = frozenset()
+    """:func:`storage_key` of each staged tensor: a tensor of these is final once the snapshot is ready."""
     claimed: bool = False
     _released: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,18 +58,18 @@ _lock = threading.Lock()
 _by_storage: dict[int, StagedSave] = {}
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
 def register(snapshot: Snapshot, stall_seconds: float, on_release: Callable[[], None],
              owner: object) -> StagedSave:  # fmt: skip
     """Record ``snapshot``; ``owner`` (the staged state dict) releases it if it dies unclaimed."""
-    entry = StagedSave(snapshot=snapshot, stall_seconds=stall_seconds, on_release=on_release)
+    storages = frozenset(storage_key(staged.data) for staged in snapshot.tensors if staged.data.numel())
+    entry = StagedSave(snapshot=snapshot, stall_seconds=stall_seconds, on_release=on_release, storages=storages)
     with _lock:
-        for staged in snapshot.tensors:
-            if staged.data.numel():
-                _by_storage[_storage_key(staged.data)] = entry
+        for key in storages:
+            _by_storage[key] = entry
     weakref.finalize(owner, entry.release_if_unclaimed)
     return entry
 
@@ -77,7 +79,7 @@ def claim(tensors: Iterable[torch.Tensor]) -> list[StagedSave]:
     found: list[StagedSave] = []
     with _lock:
         for tensor in tensors:
-            entry = _by_storage.get(_storage_key(tensor)) if tensor.numel() else None
+            entry = _by_storage.get(storage_key(tensor)) if tensor.numel() else None
             if entry is not None and not entry.claimed:
                 entry.claimed = True
                 found.append(entry)

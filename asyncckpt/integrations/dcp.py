@@ -272,6 +272,7 @@ class _PlanSnapshot:
     def __init__(self, items: Sequence[WriteItem], planner: SavePlanner, claimed: list[_staging.StagedSave],
                  host_only: bool) -> None:  # fmt: skip
         self._items, self._planner, self._claimed, self._host_only = items, planner, claimed, host_only
+        self._live_synced: set[torch.device] = set()
 
     @property
     def tensors(self) -> Sequence[StagedTensor]:
@@ -309,10 +310,32 @@ class _PlanSnapshot:
         device = tensor.device
         if tensor.is_cuda and self._host_only:
             tensor = tensor.cpu()  # a CPU codec: bring the chunk to the host (this thread waits for the copy)
-        tensor = tensor.contiguous()  # "only the projection needs to be saved": a view is saved as its own bytes
+        # "Only the projection needs to be saved": a view is saved as its own bytes, contiguous.
+        tensor = self._final_on_device(tensor) if tensor.is_cuda else tensor.contiguous()
         raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                       device=tensor.device)  # fmt: skip
         return StagedTensor(key=key, dtype=tensor.dtype, shape=tuple(tensor.shape), device=device, data=raw)
+
+    def _final_on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` contiguous, with its bytes final: the GPU encoder and the writers read them
+        from their own streams, ordered after nothing (the BlobWriter contract).
+
+        A tensor of a claimed asyncckpt snapshot is final once that snapshot is ready. Any other
+        is a live tensor (plain ``dcp.save``, or a stager that kept CUDA tensors) whose last
+        writes may still be queued on some stream of the caller's: the first such tensor waits
+        for all of its device's work, on this (DCP's) thread. A contiguous copy is made on this
+        thread's current stream and waited for.
+        """
+        key = _staging.storage_key(tensor) if tensor.numel() else None
+        live = key is not None and not any(key in entry.storages for entry in self._claimed)
+        if live and tensor.device not in self._live_synced:
+            torch.cuda.synchronize(tensor.device)
+            self._live_synced.add(tensor.device)
+        if tensor.is_contiguous():
+            return tensor
+        copy = tensor.contiguous()
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return copy
 
 
 class _LazyItems(Sequence[StagedTensor]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Protocol
 
 import torch
@@ -39,12 +40,13 @@ class InflightWrites:
         self.limit_bytes = limit_bytes
         self._queue: deque[tuple[Callable[[], object], int]] = deque()
         self._bytes = 0
-        self._failure: BaseException | None = None
+        self._failure: tuple[BaseException, TracebackType | None] | None = None
 
     def raise_if_failed(self) -> None:
         """Raise the failure of an earlier write again (a writer calls it before starting another)."""
         if self._failure is not None:
-            raise self._failure
+            exc, traceback = self._failure
+            raise exc.with_traceback(traceback)  # the original traceback, not one that grows per raise
 
     def add(self, wait: Callable[[], object], size: int) -> None:
         self.raise_if_failed()
@@ -72,7 +74,7 @@ class InflightWrites:
         try:
             wait()
         except BaseException as exc:
-            self._failure = exc
+            self._failure = (exc, exc.__traceback__)
             raise
 
 

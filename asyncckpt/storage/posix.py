@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class PosixBlobWriter:
         self.path = path
         self._fd: int | None = create_for_writing(path)
         self._end = 0
-        self._failure: OSError | None = None
+        self._failure: tuple[OSError, TracebackType | None] | None = None
 
     def append(self, data: torch.Tensor) -> int:
         assert self._fd is not None, "writer is closed"
@@ -51,7 +52,7 @@ class PosixBlobWriter:
         try:
             pwrite_fully(self._fd, view, offset)
         except OSError as exc:
-            self._failure = exc
+            self._failure = (exc, exc.__traceback__)
             raise
         self._end = offset + len(view)
         return offset
@@ -65,7 +66,8 @@ class PosixBlobWriter:
     def _raise_if_failed(self) -> None:
         # A caller that caught a failed append must not sync the file with a hole in it as if whole.
         if self._failure is not None:
-            raise self._failure
+            exc, traceback = self._failure
+            raise exc.with_traceback(traceback)  # the original traceback, not one that grows per raise
 
     def close(self) -> None:
         if self._fd is not None:

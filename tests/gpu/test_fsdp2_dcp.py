@@ -99,3 +99,32 @@ def test_fsdp2_async_save_with_gpu_stager_and_nvcomp_round_trips(tmp_path: Path,
     assert got["difference"] is None, f"restored FSDP2 state differs from the state at save time: {got}"
     assert codec in got["codecs"], got
     print(f"fsdp2+dcp codec={codec}: {got}")
+
+
+@pytest.mark.parametrize("codec", ["auto", "zstd"])
+def test_a_plain_dcp_save_writes_what_the_callers_queued_kernels_wrote(tmp_path: Path, codec: str) -> None:
+    # dcp.save hands AsyncCkptWriter live CUDA tensors whose last writes may still be queued; the
+    # writer's encoder and its pinned writer read from their own streams, so it must wait for them.
+    pytest.importorskip("asyncckpt.gpu.backend")
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    values = {
+        "random": torch.randint(-(2**31), 2**31 - 1, (1 << 20,), dtype=torch.int32, device="cuda", generator=gen),
+        "smooth": torch.arange(1 << 20, dtype=torch.float32, device="cuda"),
+        "tiny": torch.arange(5, dtype=torch.float32, device="cuda") + 1,
+        "strided": torch.arange(8192, dtype=torch.float32, device="cuda").view(2, 4096),
+    }
+    state = {k: torch.zeros_like(v) for k, v in values.items() if k != "strided"}
+    state["strided"] = torch.zeros(4096, 2, device="cuda").t()  # a non-contiguous view is saved
+    torch.cuda.synchronize()
+    torch.cuda._sleep(3_000_000_000)  # about 1.5 s of GPU clock cycles queued ahead, as a training step's
+    for key, value in values.items():
+        state[key].copy_(value)  # queued behind the sleep: done only after dcp.save was called
+    dcp.save(state, storage_writer=AsyncCkptWriter(tmp_path / "c", codec=codec), no_dist=True)
+    back = {k: torch.empty_like(v) for k, v in values.items()}
+    dcp.load(back, storage_reader=AsyncCkptReader(tmp_path / "c"), no_dist=True)
+    for key, value in values.items():
+        assert torch.equal(back[key].cpu(), value.cpu()), key
