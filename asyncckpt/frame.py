@@ -10,7 +10,8 @@ took 476 us, :func:`capture` 239 us.
 
 :func:`capture` takes only the common case: exact ``dict``/``OrderedDict``/``list``/``tuple``
 containers with ``str``/``int`` keys, exact ``int``/``float``/``str``/``bool``/``None``
-scalars, and storable non-empty strided CPU/CUDA tensors, not nested near :data:`MAX_DEPTH`. Anything
+scalars (ints inside +-2**64), and storable non-empty strided CPU/CUDA tensors with memory, not
+nested near :data:`MAX_DEPTH`. Anything
 else raises :class:`Unusual`, and ``flatten`` runs the full walk, which stores the other types
 and names the key path of anything it refuses. Both walks give the same skeleton, keys and
 leaves (``tests/test_frame.py`` compares them).
@@ -35,6 +36,13 @@ MAX_DEPTH = 64
 """Deepest container nesting accepted on save and on load (state dicts nest 4-6 deep)."""
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+
+MAX_INT_BITS = 9600
+"""Widest int stored (about 2,890 decimal digits): Python refuses to print or parse ints of more
+than 4,300 digits, and the manifest holds ints as JSON numbers."""
+
+_FAST_INT = 1 << 64
+""":func:`capture` takes ints strictly inside +-2**64; wider ones go to the full walk, which checks them."""
 
 
 class Unusual(Exception):
@@ -101,8 +109,8 @@ def capture(state: object) -> Frame:
     index_by_alias: dict[tuple[object, ...], int] = {}
     index_of: dict[int, int] = {}
     # Locals, not globals or attribute lookups, in the loops below.
-    tensor_type, strided, ordered_dict, known_dtypes, scalars = (
-        torch.Tensor, torch.strided, OrderedDict, NAME_BY_DTYPE, _SCALARS
+    tensor_type, strided, ordered_dict, known_dtypes, scalars, wide = (
+        torch.Tensor, torch.strided, OrderedDict, NAME_BY_DTYPE, _SCALARS, _FAST_INT
     )  # fmt: skip
 
     def append(t: torch.Tensor) -> int:
@@ -114,7 +122,9 @@ def capture(state: object) -> Frame:
         # which ``index_of`` (one index per object) cannot say: the full walk takes them.
         if not (t.layout is strided and t.dtype in known_dtypes and (t.is_cuda or t.is_cpu) and t.numel()):
             raise Unusual
-        if (ptr := t.data_ptr()) not in index_by_ptr:
+        if not (ptr := t.data_ptr()):  # freed storage: the full walk refuses it by name
+            raise Unusual
+        if ptr not in index_by_ptr:
             index = index_by_ptr[ptr] = append(t)
         else:
             first = index_by_ptr[ptr]
@@ -131,7 +141,7 @@ def capture(state: object) -> Frame:
             add = values.append
             for key, value in obj.items():  # type: ignore[attr-defined]
                 key_kind = type(key)
-                if key_kind is not str and key_kind is not int:
+                if key_kind is not str and (key_kind is not int or not -wide < key < wide):
                     raise Unusual
                 if isinstance(value, tensor_type):
                     # The common leaf, tensor_index() inlined: storable, non-empty, at a new address.
@@ -140,7 +150,8 @@ def capture(state: object) -> Frame:
                         and value.dtype in known_dtypes
                         and (value.is_cuda or value.is_cpu)
                         and value.numel()
-                        and (ptr := value.data_ptr()) not in index_by_ptr
+                        and (ptr := value.data_ptr())
+                        and ptr not in index_by_ptr
                     ):
                         index_by_ptr[ptr] = index_of[id(value)] = len(tensors)
                         tensors.append(value.detach() if value.requires_grad else value)
@@ -148,6 +159,8 @@ def capture(state: object) -> Frame:
                         tensor_index(value)
                     add(value)
                 elif type(value) in scalars:
+                    if type(value) is int and not -wide < value < wide:
+                        raise Unusual
                     add(value)
                 else:
                     add(node(value, depth + 1))
@@ -159,6 +172,8 @@ def capture(state: object) -> Frame:
                     tensor_index(value)
                     items.append(value)
                 elif type(value) in scalars:
+                    if type(value) is int and not -wide < value < wide:
+                        raise Unusual
                     items.append(value)
                 else:
                     items.append(node(value, depth + 1))

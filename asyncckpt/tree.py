@@ -34,7 +34,7 @@ import torch
 
 from .dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
 from .errors import CorruptCheckpointError
-from .frame import MAX_DEPTH, Frame, Unusual, alias_index, capture
+from .frame import MAX_DEPTH, MAX_INT_BITS, Frame, Unusual, alias_index, capture
 
 __all__ = ["MAX_DEPTH", "FlatState", "TensorLeaf", "flatten", "unflatten"]
 
@@ -172,14 +172,14 @@ def _walk(state: object) -> FlatState:
             raise TypeError(f"asyncckpt: state is nested deeper than {MAX_DEPTH} levels at {where or '<root>'!r}")
         kind = type(obj)
         if kind is int:  # ahead of the isinstance chain: optimizer param_groups list one per parameter
-            return {"t": "int", "v": obj}
+            return {"t": "int", "v": _storable_int(obj, where)}  # type: ignore[arg-type]
         if kind is dict or kind is ordered_dict:
             return visit_dict(obj, kind is ordered_dict, where, depth)  # type: ignore[arg-type]
         # bool before int: bool is a subclass of int.
         if isinstance(obj, bool):
             return {"t": "bool", "v": obj}
         if isinstance(obj, int):
-            return {"t": "int", "v": int(obj)}
+            return {"t": "int", "v": _storable_int(int(obj), where)}
         if isinstance(obj, float):
             return {"t": "float", "v": float(obj).hex()}
         if isinstance(obj, str):
@@ -214,7 +214,7 @@ def _walk(state: object) -> FlatState:
             if key_kind is str:
                 key_node, label = {"t": "str", "v": key}, key
             elif key_kind is int:
-                key_node, label = {"t": "int", "v": key}, str(key)
+                key_node, label = {"t": "int", "v": _storable_int(key, _join(where, "<key>"))}, str(key)
             elif isinstance(key, (tensor_type, dict, list, tuple)):
                 raise TypeError(f"asyncckpt: unsupported dict key {key!r} at {where or '<root>'!r}")
             else:
@@ -233,7 +233,8 @@ def _walk(state: object) -> FlatState:
                 and value.dtype in known_dtypes
                 and (value.is_cuda or value.is_cpu)
                 and value.numel()
-                and (ptr := value.data_ptr()) not in index_by_ptr
+                and (ptr := value.data_ptr())
+                and ptr not in index_by_ptr
             ):
                 index_by_ptr[ptr] = index = len(tensors)
                 tensors.append(new_leaf((path, value.detach() if value.requires_grad else value)))
@@ -258,6 +259,11 @@ def _walk(state: object) -> FlatState:
         if t.numel() == 0:  # empty tensors share no data; never alias them (nor read their pointer)
             return append_leaf(t, where)
         ptr = t.data_ptr()
+        if not ptr:  # copying from it would read address 0: a crash, not an error
+            raise TypeError(
+                f"asyncckpt: tensor at {where!r} has {t.numel()} elements but no memory (its storage was freed, "
+                "as FSDP frees unsharded parameters); save the state while its storage is allocated"
+            )
         first = index_by_ptr.get(ptr)
         if first is None:
             index_by_ptr[ptr] = len(tensors)
@@ -270,6 +276,15 @@ def _walk(state: object) -> FlatState:
 
     skeleton = visit(state, "", 0)
     return FlatState(skeleton=skeleton, tensors=tensors)
+
+
+def _storable_int(value: int, where: str) -> int:
+    if value.bit_length() > MAX_INT_BITS:
+        raise TypeError(
+            f"asyncckpt: cannot store an int of {value.bit_length()} bits at {where or '<root>'!r} (at most "
+            f"{MAX_INT_BITS}: the manifest holds ints as JSON numbers); store it as a string or bytes"
+        )
+    return value
 
 
 def _unsupported(obj: object, where: str) -> str:

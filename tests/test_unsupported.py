@@ -18,6 +18,13 @@ class Opaque:
 Point = namedtuple("Point", "x y")
 
 
+def _freed() -> torch.Tensor:
+    """A tensor whose storage was resized to nothing, as FSDP frees parameters: copying it would crash."""
+    t = torch.ones(4)
+    t.untyped_storage().resize_(0)
+    return t
+
+
 @pytest.mark.parametrize(
     ("state", "fragment"),
     [
@@ -29,6 +36,11 @@ Point = namedtuple("Point", "x y")
         ({"nt": Point(1, 2)}, "nt"),
         ({"set": {1, 2}}, "set"),
         ({(1, 2): 3}, "unsupported dict key"),
+        ({"freed": {"w": _freed()}}, "'freed/w' has 4 elements but no memory"),
+        ({"freed": [torch.ones(2), _freed()]}, "'freed/1' has 4 elements but no memory"),
+        ({"seed": 10**5000}, "int of 16610 bits at 'seed'"),
+        ({"optim": {10**5000: torch.ones(1)}}, "at 'optim/<key>'"),
+        ({"ids": [1, -(10**5000)]}, "at 'ids/1'"),
     ],
 )
 def test_save_raises_type_error_naming_the_key(run_dir: Path, state: object, fragment: str) -> None:
