@@ -166,10 +166,16 @@ class HostStager:
                 else:
                     offset = next(at)
                     copy = slot[offset : offset + tensor_bytes(src)].view(src.dtype).view(src.shape)
-                    # non_blocking only matters for CUDA sources (pinned destination); CPU copies are synchronous.
-                    copy.copy_(src, non_blocking=src.is_cuda)
                     if src.is_cuda:
+                        # copy_ applies a lazy conjugate/negation to the host copy at once, before an
+                        # asynchronous device-to-host copy has landed (on the H200 the restored values
+                        # were not negated): resolve it on the device first, on the same stream.
+                        if src.is_conj() or src.is_neg():
+                            src = src.resolve_conj().resolve_neg()
+                        copy.copy_(src, non_blocking=True)  # pinned destination: asynchronous on the caller's stream
                         cuda_devices.add(src.device)
+                    else:
+                        copy.copy_(src)
                 copies.append(copy)
                 devices.append(src.device)
             # A device-to-host copy runs on its source device's current stream: one event per device.

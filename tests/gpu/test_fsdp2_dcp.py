@@ -101,6 +101,7 @@ def test_fsdp2_async_save_with_gpu_stager_and_nvcomp_round_trips(tmp_path: Path,
     print(f"fsdp2+dcp codec={codec}: {got}")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist=True: one process
 @pytest.mark.parametrize("codec", ["auto", "zstd"])
 def test_a_plain_dcp_save_writes_what_the_callers_queued_kernels_wrote(tmp_path: Path, codec: str) -> None:
     # dcp.save hands AsyncCkptWriter live CUDA tensors whose last writes may still be queued; the
