@@ -42,6 +42,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=12, help="saves per optimizer and mode (the first is dropped)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--only", action="append", default=[], metavar="OPTIMIZER:MODE",
+                   help="measure only these rows, e.g. adamw-fused:device (repeatable)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="a small model and 4 saves (smoke test)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("adamw-foreach", m) for m in (("fence", "device") if cuda else ("host",))]
     if cuda:
         plan += [("adamw-fused", m) for m in ("fence", "device")]
+    if args.only:
+        plan = [(o, m) for o, m in plan if f"{o}:{m}" in args.only]
     rows = []
     for optimizer_kind, mode in plan:
         row = _measure(optimizer_kind, mode, device, args, scratch)
