@@ -3,7 +3,11 @@
 The skeleton is how a manifest records "the non-tensor structure of the state" without
 pickle: every node is a small JSON object tagged with its Python type, so loading can
 rebuild exactly the containers and scalars that were saved (int keys stay ints, tuples
-stay tuples, ``nan`` stays ``nan``) and can never construct any other type.
+stay tuples, ``nan`` stays ``nan``) and can never construct any other type. Subclasses of
+``int``, ``float``, ``str`` and ``bytes`` (an ``IntEnum`` member, a ``bytearray``) are stored
+as their base value and load as the base type, since loading never constructs a user class;
+container subclasses (namedtuples, ``defaultdict``) are refused, because they would load as
+another kind of container.
 
 Node forms (``t`` is the tag)::
 

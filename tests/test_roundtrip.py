@@ -80,6 +80,17 @@ def test_conjugate_and_negative_views_keep_their_values_beside_their_base(run_di
     assert restored["conj"] is not restored["z"]
 
 
+def test_scalar_subclasses_load_as_their_base_type(run_dir: Path) -> None:
+    import enum
+
+    class Stage(enum.IntEnum):
+        FIT = 3
+
+    restored = _roundtrip(run_dir, {"stage": Stage.FIT, "blob": bytearray(b"\x00\xff"), "w": torch.ones(1)})
+    assert type(restored["stage"]) is int and restored["stage"] == 3  # never a user class on load
+    assert type(restored["blob"]) is bytes and restored["blob"] == b"\x00\xff"
+
+
 def test_structure_and_plain_values(run_dir: Path) -> None:
     state = {
         "odict": OrderedDict([("b", 1), ("a", 2)]),
