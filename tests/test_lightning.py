@@ -3,6 +3,7 @@ bit-for-bit like an uninterrupted run."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,16 @@ class Regressor(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_restored() -> Iterator[None]:
+    # Trainer(deterministic=True) switches torch's deterministic algorithms on for the whole
+    # process and leaves them on; later tests must not inherit it (a dedicated test in
+    # tests/test_roundtrip.py saves under it on purpose).
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _data() -> DataLoader:
