@@ -23,6 +23,29 @@ def align_up(offset: int, alignment: int = ALIGNMENT) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
 
+class StickyFailure:
+    """The first failure of a writer, for every later call of it to raise again.
+
+    A writer that failed has a hole in its file: a caller that caught the error must not go on
+    and sync it as if whole. Raised with its original traceback, which therefore does not grow
+    by a frame per raise.
+    """
+
+    def __init__(self) -> None:
+        self._failure: tuple[BaseException, TracebackType | None] | None = None
+
+    def record(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = (exc, exc.__traceback__)
+
+    def again(self) -> BaseException | None:
+        """The failure, with its original traceback, for the caller to raise (adding one frame, its own)."""
+        if self._failure is None:
+            return None
+        exc, traceback = self._failure
+        return exc.with_traceback(traceback)
+
+
 class InflightWrites:
     """Writes started but not yet waited for, oldest first, bounded in bytes; used by one thread.
 
@@ -40,13 +63,12 @@ class InflightWrites:
         self.limit_bytes = limit_bytes
         self._queue: deque[tuple[Callable[[], object], int]] = deque()
         self._bytes = 0
-        self._failure: tuple[BaseException, TracebackType | None] | None = None
+        self._failure = StickyFailure()
 
     def raise_if_failed(self) -> None:
         """Raise the failure of an earlier write again (a writer calls it before starting another)."""
-        if self._failure is not None:
-            exc, traceback = self._failure
-            raise exc.with_traceback(traceback)  # the original traceback, not one that grows per raise
+        if (failure := self._failure.again()) is not None:
+            raise failure
 
     def add(self, wait: Callable[[], object], size: int) -> None:
         self.raise_if_failed()
@@ -74,7 +96,7 @@ class InflightWrites:
         try:
             wait()
         except BaseException as exc:
-            self._failure = (exc, exc.__traceback__)
+            self._failure.record(exc)
             raise
 
 

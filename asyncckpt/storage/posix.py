@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from .base import align_up
+from .base import StickyFailure, align_up
 
 
 def create_for_writing(path: Path) -> int:
@@ -40,11 +39,12 @@ class PosixBlobWriter:
         self.path = path
         self._fd: int | None = create_for_writing(path)
         self._end = 0
-        self._failure: tuple[OSError, TracebackType | None] | None = None
+        self._failure = StickyFailure()
 
     def append(self, data: torch.Tensor) -> int:
         assert self._fd is not None, "writer is closed"
-        self._raise_if_failed()
+        if (failure := self._failure.again()) is not None:
+            raise failure  # a caller that caught it must not write on into a file with a hole
         if data.device.type != "cpu":
             data = data.cpu()
         offset = align_up(self._end)
@@ -52,22 +52,17 @@ class PosixBlobWriter:
         try:
             pwrite_fully(self._fd, view, offset)
         except OSError as exc:
-            self._failure = (exc, exc.__traceback__)
+            self._failure.record(exc)
             raise
         self._end = offset + len(view)
         return offset
 
     def sync(self) -> int:
         assert self._fd is not None, "writer is closed"
-        self._raise_if_failed()
+        if (failure := self._failure.again()) is not None:
+            raise failure  # nor sync that file as if whole
         os.fsync(self._fd)
         return self._end
-
-    def _raise_if_failed(self) -> None:
-        # A caller that caught a failed append must not sync the file with a hole in it as if whole.
-        if self._failure is not None:
-            exc, traceback = self._failure
-            raise exc.with_traceback(traceback)  # the original traceback, not one that grows per raise
 
     def close(self) -> None:
         if self._fd is not None:
