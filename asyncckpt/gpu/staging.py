@@ -294,7 +294,8 @@ class GpuStager:
 
     def _fence(self, snapshot: GpuSnapshot) -> None:
         # Compression reads the tensors after save() returns; the few that must not be read live
-        # (tiny, non-contiguous) are copied by the compressor (copy_fence_stragglers).
+        # (tiny, non-contiguous, conjugate/negative views) are copied by the compressor
+        # (copy_fence_stragglers).
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         snapshot.ready = ready

@@ -70,7 +70,7 @@ from ..observer import NullObserver, SaveObserver, notify_load_finished
 from ..options import resolve_options
 from ..persist import write_durably, write_part
 from ..result import SaveResult
-from ..snapshot import StagedTensor
+from ..snapshot import StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
 from . import _staging
 from ._dcp_metadata import DCP_KEY, decode_metadata, encode_metadata
@@ -312,9 +312,8 @@ class _PlanSnapshot:
             tensor = tensor.cpu()  # a CPU codec: bring the chunk to the host (this thread waits for the copy)
         # "Only the projection needs to be saved": a view is saved as its own bytes, contiguous.
         tensor = self._final_on_device(tensor) if tensor.is_cuda else tensor.contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8,
-                                                                                      device=tensor.device)  # fmt: skip
-        return StagedTensor(key=key, dtype=tensor.dtype, shape=tuple(tensor.shape), device=device, data=raw)
+        return StagedTensor(key=key, dtype=tensor.dtype, shape=tuple(tensor.shape), device=device,
+                            data=bytes_view(tensor))  # fmt: skip
 
     def _final_on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` contiguous, with its bytes final: the GPU encoder and the writers read them
