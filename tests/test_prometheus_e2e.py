@@ -107,7 +107,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             command = [sys.executable, "-m", "asyncckpt", "demo", "--device", "cpu", "--width", "64",
                        "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep-last", str(SAVES),
                        "--dir", str(stack.rank_dirs[rank]), "--metrics-port", str(base),
-                       "--hold-seconds", "90"]  # fmt: skip
+                       "--hold-seconds", "90", "--start-file", str(root / "go")]  # fmt: skip
             with open(log, "wb") as out:
                 processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO))
         prom_log = root / "prometheus.log"
@@ -120,6 +120,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ))  # fmt: skip
         deadline = time.monotonic() + 90
         _wait_http(f"{stack.prometheus_url}/-/ready", deadline, processes)
+        # The demos wait for the go file with their counters at zero. Every rate() and increase()
+        # over the dashboard needs a sample from before the saves: without one, a run that ends
+        # before Prometheus first scrapes it shows no increase (0/0, NaN; seen on 2 cores).
+        zeroed = f'count_over_time(asyncckpt_raw_bytes_total{{job="{JOB}"}}[5m])'
+        while time.monotonic() < deadline:
+            if len(stack.query(zeroed)) == RANKS:
+                break
+            if any(p.poll() is not None for p in processes):
+                raise AssertionError(f"a process exited early\n{stack.log_tail()}")
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"Prometheus did not scrape the waiting demos in time\n{stack.log_tail()}")
+        (root / "go").touch()
         # Every rank committed every save and loaded its latest checkpoint back (the demo's last step).
         done = (f'sum(asyncckpt_saves_total{{job="{JOB}",result="committed"}}) + '
                 f'sum(asyncckpt_load_seconds_count{{job="{JOB}"}})')  # fmt: skip

@@ -40,6 +40,13 @@ def register(sub: Any) -> None:
         default=0.0,
         help="keep the process (and its metrics endpoint) alive this long after finishing",
     )
+    parser.add_argument(
+        "--start-file",
+        type=Path,
+        default=None,
+        help="wait (up to 120 s) until this file exists before training, with the metrics endpoint "
+        "already up: a harness lets Prometheus scrape the zeroed counters first, so rate() sees every save",
+    )
     parser.set_defaults(func=run)
 
 
@@ -60,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     sync_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-torchsave-"))
     with AsyncCheckpointer(directory, keep_last=args.keep_last, codec=args.codec,
                            metrics_port=args.metrics_port) as ckpt:  # fmt: skip
+        if args.start_file is not None:
+            _wait_for(args.start_file, timeout=120.0)
         began = time.perf_counter()
         for step in range(1, args.steps + 1):
             loss = train_step(model, optimizer, batches)
@@ -91,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"holding for {args.hold_seconds:.0f} s (metrics stay up)", flush=True)
         time.sleep(args.hold_seconds)
     return 0
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"asyncckpt demo: {path} did not appear within {timeout:.0f} s (--start-file)")
+        time.sleep(0.1)
 
 
 def _timed_torch_save(state: dict[str, Any], path: Path, device: torch.device) -> float:
