@@ -7,6 +7,7 @@ imports nvCOMP/KvikIO lazily and fails with the pip line to run when they are mi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .codecs import Encoder, NoneCodec, ZstdCodec
@@ -17,6 +18,8 @@ from .storage import PosixStorage, Storage
 
 CPU_ENCODERS = ("auto", "zstd", "none")
 
+log = logging.getLogger("asyncckpt")
+
 
 @dataclass
 class Backend:
@@ -24,6 +27,15 @@ class Backend:
     encoder: Encoder
     storage: Storage
     snapshot_mode: str
+    """The mode of the latest save (the GPU stager decides per save)."""
+    snapshot_reason: str = "CPU tensors are staged in host memory"
+    """Why that mode ran, for ``SaveResult.snapshot_reason``."""
+
+    def set_snapshot_mode(self, mode: str, reason: str) -> None:
+        """Record the mode a save runs in; logged when it changes. Training thread."""
+        if (mode, reason) != (self.snapshot_mode, self.snapshot_reason):
+            log.info("asyncckpt: snapshot=%s: %s", mode, reason)
+        self.snapshot_mode, self.snapshot_reason = mode, reason
 
     def close(self) -> None:
         self.stager.close()

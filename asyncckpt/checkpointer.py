@@ -52,12 +52,15 @@ class AsyncCheckpointer:
         observer: receives save events (metrics); default: the Prometheus exporter if
             ``metrics_port`` (or ``ASYNCCKPT_METRICS_PORT``) is set or ``registry`` is given.
         registry: a ``prometheus_client.CollectorRegistry`` to record metrics into.
+        preallocate_for: a state like the ones to be saved: its staging memory (pinned host
+            blocks, a GPU arena) is allocated in the background from construction, so the first
+            save allocates nothing (:meth:`preallocate`).
         **options: any field of :class:`~asyncckpt.options.CheckpointOptions`
             (``keep_last``, ``max_inflight``, ``when_busy``, ``codec``, ``snapshot``, ...).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, observer: SaveObserver | None = None,
-                 registry: Any = None, **options: Any) -> None:  # fmt: skip
+                 registry: Any = None, preallocate_for: object = None, **options: Any) -> None:  # fmt: skip
         self.options = resolve_options(**options)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -76,6 +79,8 @@ class AsyncCheckpointer:
         # Finish in-flight saves at interpreter exit instead of losing them with the daemon thread.
         self._atexit = _close_at_exit(weakref.ref(self))
         _register_exit_hook(self._atexit)
+        if preallocate_for is not None:
+            self.preallocate(preallocate_for)
 
     # ------------------------------------------------------------------ training thread
     def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -128,7 +133,8 @@ class AsyncCheckpointer:
             when_staged(lambda: handle._set_staged(stall))
         job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
                       created_unix=time.time(), started=started, stall_seconds=stall,
-                      snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode)  # fmt: skip
+                      snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode,
+                      snapshot_reason=self._backend.snapshot_reason)  # fmt: skip
         with self._lock:
             self._inflight[step] = handle
             inflight = len(self._inflight)
@@ -136,6 +142,17 @@ class AsyncCheckpointer:
         self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
         self._jobs.put((job, handle))
         return handle
+
+    def preallocate(self, state: object) -> threading.Thread:
+        """Allocate the staging memory a save of ``state`` will need, on a background thread.
+
+        Returns that (started) thread; ``join()`` it to wait. Pinning host memory takes about a
+        second per few GB, which a first save would otherwise spend (in ``host`` mode on the
+        training thread, in ``fence`` mode while the next optimizer step waits). Call it when no
+        save is in flight, e.g. after the first ``optimizer.step()`` has created the moments.
+        """
+        self._check_usable()
+        return self._backend.stager.preallocate(flatten(state))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight save is done; raise the first unreported failure."""

@@ -33,9 +33,13 @@ class CheckpointOptions:
     snapshot: SnapshotMode = "auto"
     """Where CUDA tensors are staged: ``host`` (pinned memory), ``device`` (GPU arena), ``fence`` (no copy)."""
     host_staging_budget_bytes: int | None = None
-    """Host staging memory allowed for all in-flight saves; None means half of physical memory."""
+    """Host staging memory allowed for all in-flight saves (raw copies in ``host`` mode, compressed
+    bytes a ``fence`` save cannot keep on the GPU); None means half of physical memory divided by
+    ``LOCAL_WORLD_SIZE``."""
     gpu_staging_budget_bytes: int | None = None
-    """GPU staging memory ``auto`` may use for ``device`` mode; None means a quarter of free GPU memory."""
+    """GPU memory a save may use beyond the live state (arena, compressor scratch, compressed bytes
+    kept on the GPU), in every mode; None means a quarter of the free GPU memory, re-read at every
+    save (:mod:`asyncckpt.gpu.budget`)."""
     io_threads: int = 0
     """Parallel writer threads (KvikIO); 0 picks a default."""
     metrics_port: int | None = None

@@ -53,6 +53,7 @@ class SaveJob:
     stall_seconds: float
     snapshot_seconds: float
     snapshot_mode: str
+    snapshot_reason: str = ""
     files: dict[str, bytes] = field(default_factory=dict)
     """Small extra files (name -> bytes) written into the checkpoint directory before its manifest,
     e.g. a framework's own JSON state; names are plain file names (checked by :func:`check_extra_files`)."""
@@ -191,7 +192,8 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
     return SaveResult(
         step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
         stall_seconds=job.stall_seconds, stage_seconds=stages, io_mode=manifest.io_mode,
-        snapshot_mode=job.snapshot_mode, codecs=dict(part.codecs), durable_seconds=time.perf_counter() - job.started,
+        snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason, codecs=dict(part.codecs),
+        durable_seconds=time.perf_counter() - job.started,
         gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
 

@@ -24,6 +24,9 @@ class SaveResult:
     io_mode: str = "posix"
     """How bytes reached the file: ``posix``, ``gds`` (GPUDirect Storage) or ``compat`` (KvikIO bounce buffers)."""
     snapshot_mode: str = "host"
+    """Where the snapshot was staged: ``host``, ``device`` or ``fence`` (``auto`` resolved)."""
+    snapshot_reason: str = ""
+    """Why that mode ran: asked for, or what the memory measured at ``save()`` allowed."""
     codecs: dict[str, int] = field(default_factory=dict)
     """Tensors stored per codec name."""
     durable_seconds: float = 0.0

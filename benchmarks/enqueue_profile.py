@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncckpt.gpu.pipeline import FENCE_GROUP_BYTES, GpuEncoder
+from asyncckpt.gpu.budget import MAX_GROUP_BYTES
+from asyncckpt.gpu.pipeline import GpuEncoder
 from asyncckpt.snapshot.base import StagedTensor
 from asyncckpt.tree import flatten
 
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--group-bytes", type=int, default=FENCE_GROUP_BYTES)
+    p.add_argument("--group-bytes", type=int, default=MAX_GROUP_BYTES)
     args = p.parse_args(argv)
     work = Workload(WorkloadConfig(width=args.width, layers=args.layers, context=256, device="cuda"))
     for _ in range(3):

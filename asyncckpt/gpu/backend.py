@@ -42,8 +42,7 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         deregister=storage.deregister,
     )
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot)
-    encoder.on_stats = lambda stats: stager.saw_ratio(stats.raw_bytes, stats.stored_bytes)
-    stager.on_mode = lambda mode: setattr(backend, "snapshot_mode", mode)  # auto resolves per save
+    stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then
     log.info(
         "asyncckpt: GPU path on %s (%s): nvCOMP %s, KvikIO %s, %s I/O with %d threads, codec=%s, snapshot=%s",
         device,

@@ -13,9 +13,12 @@ thread** (``asyncckpt-compress``) at once. It cuts the state into groups of abou
    ``_foreach_copy_``, and hand the group to the worker through the snapshot's
    :class:`~asyncckpt.gpu.snapshot.BlobChannel`.
 
-In ``fence`` mode every group is enqueued first, then an event is recorded and the fence gate
-opened — the next optimizer step waits on that event on the GPU — and only then are groups
-resolved. Other modes resolve group by group, bounded by the channel's window.
+Group sizes come from the snapshot's :class:`~asyncckpt.gpu.budget.StagingPlan`, so the
+compressor's GPU memory stays within the save's budget. In ``fence`` mode two groups are in
+flight; the fence gate opens (and an event the next optimizer step waits on, on the GPU) once
+the last group's encode is queued; compressed groups beyond the plan's GPU allowance go to
+pinned host memory (:meth:`GpuEncoder._compress_fenced`). Other modes resolve group by group,
+bounded by the channel's window.
 
 The worker thread (:func:`asyncckpt.persist.write_part`) takes the blobs in tensor order from
 :meth:`GpuEncoder.encode_snapshot`, checksums and writes them while the next group compresses.
@@ -25,6 +28,7 @@ outweigh what they save.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -41,6 +45,8 @@ from ..codecs import EncodedBlob
 from ..snapshot import Snapshot, StagedTensor
 from . import batch, kernels
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
+from .budget import GROUPS_IN_FLIGHT, plan_groups
+from .fence import FenceGate
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import GpuSnapshot, Group
 from .specs import CodecSpec
@@ -52,23 +58,8 @@ MIN_COMPRESS_BYTES = TINY_BYTES
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Raw bytes per nvCOMP chunk (RAW mode encodes each chunk as one frame)."""
 DEFAULT_GROUP_BYTES = 1 << 30
-"""Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group of its own).
-
-Measured on the H200 (13.6 GB, ANS ``<f4``, nothing else running): 256 MiB groups took 15 ms of
-host time to queue and ran at 600-730 GB/s; 1 GiB groups 8 ms and ~900 GB/s; 4 GiB 6 ms and
-~1,000 GB/s. Host time matters in ``fence`` mode (the next step waits until everything is
-queued) and GPU time while training runs. Outside ``fence`` mode a group's transient GPU memory
-is about its size for nvCOMP's outputs, once more for byte planes, and once per extra candidate
-on an ``auto`` probe (up to ~4 GiB at 1 GiB); in ``fence`` mode every group's is held until the
-gate opens."""
-FENCE_GROUP_BYTES = 4 << 30
-"""Group size in ``fence`` mode, where the next optimizer step waits until every group is queued.
-
-Every encode call costs ~0.6 ms of host time (the C-API call, its tables, events, allocations;
-``python3 -m benchmarks.enqueue_profile`` on the H200: 52 calls over 20 one-GiB groups of a
-16 GB state took ~30 ms), so fence mode queues fewer, larger groups. It costs little memory:
-in fence mode every group's outputs are held until the gate opens anyway; only the packed
-copy of one group (up to this size) is added at the peak."""
+"""Raw bytes per nvCOMP call for snapshots built outside a checkpointer (``convert``); saves take
+theirs from their plan. Larger groups cost less host time per byte (docs/benchmarks.md)."""
 PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
@@ -94,7 +85,11 @@ class CompressStats:
     gate_seconds: float = 0.0
     """Fence mode: compressor thread time until the gate opened (every read queued)."""
     probed: int = 0
+    spilled_bytes: int = 0
+    """Compressed bytes copied to pinned host memory because they did not fit the GPU budget (fence)."""
     specs: Counter[str] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+    """How this save degraded, if it did (also logged)."""
 
     @property
     def encode_bytes_per_second(self) -> float:
@@ -145,6 +140,8 @@ class GpuEncoder:
         """Stats of recent snapshots, newest last (for benchmarks and logs)."""
         self.on_stats: Callable[[CompressStats], None] | None = None
         """Called on the compressor thread after each snapshot compressed without error."""
+        self._copy_stream: torch.cuda.Stream | None = None
+        """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="asyncckpt-compress", daemon=True)
         self._thread.start()
@@ -205,25 +202,12 @@ class GpuEncoder:
                 stats.tensors = len(snapshot.tensors)
                 if snapshot.host_part is not None:
                     snapshot.host_part.wait_ready()  # device-to-host staging copies have landed
-                groups = self._plan(snapshot.tensors, FENCE_GROUP_BYTES if gate is not None else self.group_bytes)
+                groups = self._plan(snapshot.tensors, snapshot.plan.group_bytes)
                 if gate is not None:
-                    works: deque[_Work] = deque()
-                    for group in groups:
-                        if channel.cancelled:
-                            break
-                        works.append(self._enqueue(group))
-                    done = torch.cuda.Event()
-                    done.record(self.stream)
-                    gate.open(done)
-                    stats.gate_seconds = time.perf_counter() - began
-                    done.synchronize()
-                    gate.mark_staged()
-                    while works:  # popped as resolved, so each group's raw outputs are freed early
-                        if not channel.put(*self._resolve(works.popleft(), stats)):
-                            break
+                    self._compress_fenced(snapshot, gate, groups, stats, began)
                 else:
                     for group in groups:
-                        if channel.cancelled or not channel.put(*self._resolve(self._enqueue(group), stats)):
+                        if channel.cancelled or not channel.put(*self._resolve(self._enqueue(group), stats)[:2]):
                             break
         except BaseException as exc:  # noqa: BLE001 - handed to the worker through the channel
             error = exc
@@ -234,6 +218,8 @@ class GpuEncoder:
                 gate.fail()  # a no-op once opened; otherwise training must not wait on it
             try:
                 self.stream.synchronize()  # nothing may still read the snapshot once `finished` is set
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()
             finally:
                 stats.wall_seconds = time.perf_counter() - began
                 self.history.append(stats)  # before close(): the save may commit as soon as the channel ends
@@ -241,29 +227,109 @@ class GpuEncoder:
         if error is None and self.on_stats is not None:
             self.on_stats(stats)
 
+    def _compress_fenced(
+        self, snapshot: GpuSnapshot, gate: FenceGate, groups: list[list[tuple[int, StagedTensor]]],
+        stats: CompressStats, began: float,
+    ) -> None:  # fmt: skip
+        """Stream a ``fence`` snapshot through bounded scratch. Compressor thread; the stream is current.
+
+        Two groups are in flight (one encoding while the previous one is resolved), so GPU memory
+        stays within the plan's scratch whatever the size of the state. Each compressed group
+        stays on the GPU while the plan's ``resident_bytes`` allow, else it is copied to a pinned
+        block on the copy stream (overlapping the next group's encode) and written from there.
+        The gate opens once the last group's encode is queued: the next optimizer step waits on
+        the GPU for it, and the host waits for nothing more.
+        """
+        channel = snapshot.channel
+        resident_left = snapshot.plan.resident_bytes
+        todo = deque(groups)
+        encoding: deque[_Work] = deque()
+        outgoing: deque[tuple[Group, int, torch.cuda.Event | None, torch.Tensor | None]] = deque()
+        opened = False
+        while (todo or encoding) and not channel.cancelled:
+            while todo and len(encoding) < GROUPS_IN_FLIGHT:
+                encoding.append(self._enqueue(todo.popleft()))
+            if not todo and not opened:
+                opened = self._open_gate(gate, stats, began)
+            blobs, nbytes, packed = self._resolve(encoding.popleft(), stats)
+            if nbytes <= resident_left:
+                resident_left -= nbytes
+                outgoing.append((blobs, nbytes, None, None))
+            else:
+                outgoing.append(self._spill(snapshot, blobs, nbytes, packed, stats))
+            # Hand over in order; a spilled group once its copy to the host has landed, keeping
+            # one copy in flight behind the next group's encode.
+            while outgoing and (outgoing[0][2] is None or len(outgoing) > 1 or not (todo or encoding)):
+                group, size, copied, _packed = outgoing.popleft()
+                if copied is not None:
+                    copied.synchronize()
+                if not channel.put(group, size):
+                    return
+        if not opened:
+            self._open_gate(gate, stats, began)
+        gate.mark_staged()
+
+    def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> bool:
+        done = torch.cuda.Event()
+        done.record(self.stream)  # after every kernel that reads the live tensors
+        gate.open(done)
+        stats.gate_seconds = time.perf_counter() - began
+        return True
+
+    def _spill(self, snapshot: GpuSnapshot, blobs: Group, nbytes: int, packed: torch.Tensor,
+               stats: CompressStats) -> tuple[Group, int, torch.cuda.Event | None, torch.Tensor | None]:  # fmt: skip
+        """Copy a resolved group's packed bytes to a pinned block; its blobs then point there.
+
+        When the host staging budget is spent, the group stays on the GPU and the channel gets a
+        window: the rest of this save is paced by the writer (logged; the fence holds longer)."""
+        block = snapshot.pool.acquire(packed.numel())
+        if block is None:
+            if snapshot.channel.window_bytes is None:
+                snapshot.channel.window_bytes = DEFAULT_WINDOW_BYTES
+                note = (
+                    f"host_staging_budget_bytes ({snapshot.pool.budget_bytes}) is spent: the rest of this save is "
+                    "paced by the disk, and the next optimizer step waits for it"
+                )
+                stats.notes.append(note)
+                log.warning("asyncckpt: %s", note)
+            return blobs, nbytes, None, None
+        snapshot.pinned.append(block)
+        host = block.data[: packed.numel()]
+        copy_stream = self._copy_stream_for()
+        with torch.cuda.stream(copy_stream):
+            host.copy_(packed, non_blocking=True)  # packed is complete: _resolve synchronised its stream
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+        base, end = packed.data_ptr(), packed.data_ptr() + packed.numel()
+        moved: Group = []
+        for index, blob in blobs:
+            start = blob.data.data_ptr()
+            if blob.data.is_cuda and base <= start < end:
+                blob = dataclasses.replace(blob, data=host[start - base : start - base + blob.stored_bytes])
+            moved.append((index, blob))
+        stats.spilled_bytes += nbytes
+        return moved, nbytes, copied, packed  # packed stays alive until the copy has landed
+
+    def _copy_stream_for(self) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        return self._copy_stream
+
     # ------------------------------------------------------------ any compressing thread
     def _encode_inline(self, tensors: list[StagedTensor]) -> Iterator[EncodedBlob]:
         stats = CompressStats(mode="inline", tensors=len(tensors))
         began = time.perf_counter()
         for group in self._plan(tensors, self.group_bytes):
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                blobs, _nbytes = self._resolve(self._enqueue(group), stats)
+                blobs, _nbytes, _packed = self._resolve(self._enqueue(group), stats)
             for _index, blob in blobs:
                 yield blob
         stats.wall_seconds = time.perf_counter() - began
         self.history.append(stats)
 
     def _plan(self, tensors: Sequence[StagedTensor], group_bytes: int) -> list[list[tuple[int, StagedTensor]]]:
-        groups: list[list[tuple[int, StagedTensor]]] = [[]]
-        size = 0
-        for index, staged in enumerate(tensors):
-            n = staged.data.numel()
-            if groups[-1] and size + n > group_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append((index, staged))
-            size += n
-        return [g for g in groups if g]
+        groups = plan_groups([staged.data.numel() for staged in tensors], group_bytes)
+        return [[(index, tensors[index]) for index in group] for group in groups]
 
     def _enqueue(self, group: list[tuple[int, StagedTensor]]) -> _Work:
         """Queue every kernel of one group on the stream; no host wait. The stream is current."""
@@ -327,8 +393,9 @@ class GpuEncoder:
                 data[i] = target
         return data
 
-    def _resolve(self, work: _Work, stats: CompressStats) -> tuple[Group, int]:
-        """Wait for a group's encodes, keep the smallest output per tensor, pack it. The stream is current."""
+    def _resolve(self, work: _Work, stats: CompressStats) -> tuple[Group, int, torch.Tensor]:
+        """Wait for a group's encodes, keep the smallest output per tensor, pack it: (blobs, packed
+        bytes, the packed buffer the compressed blobs are views of). The stream is current."""
         options: list[list[_Option]] = [[] for _ in work.items]
         for positions, ranges, pending in work.pendings:
             sizes = pending.sizes()
@@ -382,7 +449,7 @@ class GpuEncoder:
             stats.raw_bytes += n
             stats.stored_bytes += n
         blobs.sort(key=lambda pair: pair[0])
-        return blobs, total
+        return blobs, total, packed
 
 
 def chunk_table(

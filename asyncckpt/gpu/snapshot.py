@@ -19,7 +19,9 @@ import torch
 from ..codecs import EncodedBlob
 from ..snapshot import HostCopy, StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
+from .budget import StagingPlan
 from .fence import FenceGate
+from .pinned_pool import PinnedBlock, PinnedPool
 
 Group = list[tuple[int, EncodedBlob]]
 """Blobs of consecutive tensors: (index in the snapshot, blob)."""
@@ -101,11 +103,15 @@ class GpuSnapshot:
     (:func:`~asyncckpt.gpu.staging.copy_fence_stragglers`); :attr:`tensors` waits for that.
     """
 
-    def __init__(self, flat: FlatState, mode: str, device: torch.device, host_part: HostCopy | None,
-                 channel: BlobChannel) -> None:  # fmt: skip
+    def __init__(self, flat: FlatState, plan: StagingPlan, device: torch.device, host_part: HostCopy | None,
+                 channel: BlobChannel, pool: PinnedPool) -> None:  # fmt: skip
         self.flat = flat
-        self.mode = mode
+        self.plan = plan
+        self.mode = plan.mode
         self.device = device
+        self.pool = pool
+        self.pinned: list[PinnedBlock] = []
+        """Pinned blocks holding compressed groups that left the GPU (appended by the compressor)."""
         self.host_part = host_part
         self.channel = channel
         self.sources: list[torch.Tensor] = []
@@ -119,7 +125,7 @@ class GpuSnapshot:
         self.on_release: Callable[[], None] | None = None
         self.sources_final = threading.Event()
         """Set once ``sources`` changes no more: at once, except in fence mode (the compressor sets it)."""
-        if mode != "fence":
+        if self.mode != "fence":
             self.sources_final.set()
         self._tensors: list[StagedTensor] | None = None
         self._lock = threading.Lock()
@@ -177,6 +183,8 @@ class GpuSnapshot:
             self.gate.fail()  # no-op when already open; never leave a training step waiting
         if self.host_part is not None:
             self.host_part.release()
+        self.pool.give_back(self.pinned)  # the writer is done with them: write_part releases after sync
+        self.pinned = []
         self.sources = []
         with self._lock:
             self._tensors = []

@@ -18,24 +18,26 @@ GPU:
 ``host``
     Pinned host memory (:class:`~asyncckpt.snapshot.HostStager`), for when GPU memory is short.
 
-CPU tensors always go to host staging. ``auto`` picks ``device`` when the arena fits the GPU
-staging budget, else ``fence`` when the compressed state is expected to fit, else ``host``:
-a device copy costs the GPU a few milliseconds, a fence holds the next step until compression
-is done (tens of milliseconds), a host copy costs PCIe time and host memory.
+CPU tensors always go to host staging. ``auto`` picks ``device`` when the arena and the
+compressor's scratch fit the GPU staging budget, else ``fence``, whose compressed output stays
+on the GPU up to the budget and goes to pinned host memory beyond it; :mod:`asyncckpt.gpu.budget`
+decides, at every save, from the free memory measured then, and says why.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import CheckpointError
 from ..snapshot import HostStager
 from ..tree import FlatState
 from . import fence
+from .budget import StagingPlan, default_gpu_budget, plan_groups, plan_staging
+from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
 log = logging.getLogger("asyncckpt")
@@ -156,6 +158,11 @@ class DeviceArena:
     def release(self, slot: int) -> None:
         self._free.put(slot)
 
+    def preallocate(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Size a slot for ``tensors`` now, so the first save allocates nothing. Any thread, no save in flight."""
+        slot, _typed, _raw = self.acquire(tensors)
+        self.release(slot)
+
     @property
     def allocated_bytes(self) -> int:
         return sum(s.numel() for s in self._slots)
@@ -193,10 +200,11 @@ class GpuStager:
         self._submit = submit
         self.arena = DeviceArena(slots, device, register, deregister)
         self.host = HostStager(slots=slots, budget_bytes=host_budget_bytes)
-        self._stored_ratio = 1.0
+        self.pool = PinnedPool(self.host.budget_bytes)
+        """Pinned blocks for compressed bytes a ``fence`` save cannot keep on the GPU."""
         self._one_gpu = torch.cuda.device_count() == 1
-        self.on_mode: Callable[[str], None] | None = None
-        """Told the mode of each save (``auto`` resolves per save) before stage() returns."""
+        self.on_mode: Callable[[str, str], None] | None = None
+        """Told the mode of each save and why (:class:`~asyncckpt.gpu.budget.StagingPlan`) before stage() returns."""
 
     # ---------------------------------------------------------------- training thread
     def stage(self, flat: FlatState) -> GpuSnapshot:
@@ -213,16 +221,17 @@ class GpuStager:
         else:
             index = self.device.index
             here = [t.is_cuda and t.get_device() == index for t in tensors]
-        mode = self._choose(tensors, here)
+        plan = self._plan(tensors, here)
+        mode = plan.mode
         if self.on_mode is not None:
-            self.on_mode(mode)
+            self.on_mode(mode, plan.reason)
         if mode == "host":
             here = [False] * len(tensors)
         sources = list(tensors)
         off_device = [i for i, on in enumerate(here) if not on]
         host_part = self.host.copy([tensors[i] for i in off_device]) if off_device else None
         snapshot = GpuSnapshot(
-            flat, mode, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes)
+            flat, plan, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes), self.pool
         )
         if host_part is not None:
             for i, copy in zip(off_device, host_part.copies, strict=True):
@@ -242,31 +251,24 @@ class GpuStager:
         self._submit(snapshot)
         return snapshot
 
-    def _choose(self, tensors: Sequence[torch.Tensor], here: Sequence[bool]) -> str:
-        if self.mode != "auto" and (self.mode != "device" or self.gpu_budget_bytes is None):
-            return self.mode  # no sizes needed: fence saves read no tensor size here
-        device_bytes = sum(t.nbytes for t, on in zip(tensors, here, strict=True) if on)
-        if self.mode != "auto":
-            self._check_budget(device_bytes)
-            return self.mode
+    def _plan(self, tensors: Sequence[torch.Tensor], here: Sequence[bool]) -> StagingPlan:
+        """Decide this save's mode and memory from what is measured now (training thread).
+
+        The default budget re-reads free GPU memory at every save: training's own use moves."""
+        device_bytes = largest = 0
+        for t, on in zip(tensors, here, strict=True):
+            if on:
+                n = t.nbytes
+                device_bytes += n
+                largest = max(largest, n)
         budget = self.gpu_budget_bytes
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = self.gpu_budget_bytes = free // 4
-        if max(self.arena.allocated_bytes, device_bytes * self.slots) <= budget:
-            return "device"
-        if device_bytes * self._stored_ratio * self.slots <= budget:
-            return "fence"
-        return "host"
-
-    def _check_budget(self, device_bytes: int) -> None:
-        assert self.gpu_budget_bytes is not None
-        if device_bytes * self.slots > self.gpu_budget_bytes:
-            raise CheckpointError(
-                f"snapshot='device' needs {device_bytes} bytes of GPU staging per save and max_inflight={self.slots} "
-                f"saves may be in flight, but gpu_staging_budget_bytes is {self.gpu_budget_bytes}. Raise the budget "
-                "(argument or ASYNCCKPT_GPU_STAGING_BUDGET_BYTES), or use snapshot='fence' or 'host'"
-            )
+            # Our own arena is reused by the next save, so it counts as available to it.
+            budget = default_gpu_budget(free + self.arena.allocated_bytes)
+        return plan_staging(
+            self.mode, device_bytes, budget, self.arena.allocated_bytes, self.slots, largest, self.window_bytes
+        )
 
     def _to_arena(self, indices: list[int], sources: list[torch.Tensor],
                   snapshot: GpuSnapshot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
@@ -302,12 +304,41 @@ class GpuStager:
         snapshot.gate = fence.FenceGate(self.device)
         fence.arm(snapshot.gate)
 
-    # ---------------------------------------------------------------- worker thread
-    def saw_ratio(self, raw_bytes: int, stored_bytes: int) -> None:
-        """Feed back the last save's compressed size (auto uses it to size a fence's outputs)."""
-        if raw_bytes:
-            self._stored_ratio = min(1.0, max(0.05, stored_bytes / raw_bytes))
+    # ---------------------------------------------------------------- any thread
+    def preallocate(self, flat: FlatState) -> threading.Thread:
+        """Allocate, on a background thread, the staging a save of ``flat`` will need; returns the thread.
+
+        ``fence`` saves (what ``auto`` picks on a full GPU) need pinned blocks for the compressed
+        bytes that do not stay on the GPU: the raw size of the state is reserved (an upper bound
+        of its compressed size; what the first save leaves unused is given back after it).
+        ``device`` saves need an arena slot, allocated on that thread. The calling thread only
+        reads tensor sizes."""
+        tensors = flat.leaf_tensors
+        here = [t.is_cuda for t in tensors]
+        plan = self._plan(tensors, here)
+        on_device = [t for t, on in zip(tensors, here, strict=True) if on]
+        if plan.mode == "fence":
+            spill = max(0, sum(t.nbytes for t in on_device) - plan.resident_bytes)
+            return self.pool.reserve(spilled_group_sizes([t.nbytes for t in on_device], plan.group_bytes, spill))
+        work = self.arena.preallocate if plan.mode == "device" else (lambda _tensors: None)
+        thread = threading.Thread(target=work, args=(on_device,), name="asyncckpt-prealloc", daemon=True)
+        thread.start()
+        return thread
 
     def close(self) -> None:
         self.arena.close()
         self.host.close()
+        self.pool.close()
+
+
+def spilled_group_sizes(sizes: Sequence[int], group_bytes: int, total_bytes: int) -> list[int]:
+    """Raw bytes of the last groups the compressor forms from tensors of ``sizes``, as many as hold
+    ``total_bytes``: the groups of a ``fence`` save that will not stay on the GPU."""
+    groups = [sum(sizes[i] for i in group) for group in plan_groups(sizes, group_bytes)]
+    kept: list[int] = []
+    for group in reversed(groups):
+        if total_bytes <= 0:
+            break
+        kept.append(group)
+        total_bytes -= group
+    return kept

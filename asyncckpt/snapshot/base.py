@@ -15,6 +15,7 @@ Two moments matter and have different owners:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,6 +73,11 @@ class Stager(Protocol):
 
         ``flat.leaf_tensors`` is ready; its keys and skeleton may be built on first use, so a
         stager that can do without them on the training thread should."""
+        ...
+
+    def preallocate(self, flat: FlatState) -> threading.Thread:
+        """Allocate the staging a save of ``flat`` needs on a background thread (returned, started),
+        so the first save allocates nothing. Any thread; reads only tensor sizes."""
         ...
 
     def close(self) -> None: ...

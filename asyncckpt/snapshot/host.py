@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,11 +39,19 @@ complex32 warns that it is experimental, and under ``torch.use_deterministic_alg
 
 
 def default_host_budget_bytes() -> int:
-    """Half of physical memory."""
+    """Half of physical memory, divided by the processes of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it).
+
+    Half, because the rest belongs to the OS, data loaders and the page cache the writes go
+    through; per local rank, because every rank of the node stages its own share."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return 8 << 30
+        physical = 16 << 30
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return physical // 2 // ranks
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -189,6 +198,27 @@ class HostStager:
             raise
         return HostCopy(copies=copies, devices=devices, staging_bytes=total + clone_bytes, _slot=slot,
                         _free=self._free, _copies_done=copies_done)  # fmt: skip
+
+    def preallocate(self, flat: FlatState) -> threading.Thread:
+        """Allocate (and pin) the arena slot a save of ``flat`` needs, on a background thread; returns it.
+
+        Pinning tens of GB takes seconds: done here, the first save only copies. Call while no save
+        is in flight (the slot is taken for the allocation)."""
+        sizes = [t for t in flat.leaf_tensors if not (t.is_cpu and t.nbytes <= CLONE_BYTES and t.dtype in _CLONEABLE)]
+        _offsets, total = self._layout(sizes)
+
+        def allocate() -> None:
+            slot = self._free.get()
+            try:
+                if slot.numel() < total <= self.budget_bytes:
+                    slot = torch.empty(0, dtype=torch.uint8)
+                    slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+            finally:
+                self._free.put(slot)
+
+        thread = threading.Thread(target=allocate, name="asyncckpt-prealloc", daemon=True)
+        thread.start()
+        return thread
 
     @staticmethod
     def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:

@@ -1,0 +1,178 @@
+"""Pinned host blocks for compressed bytes that do not stay on the GPU, reused from save to save.
+
+When a ``fence`` save's compressed state does not fit its GPU budget, the compressor copies each
+compressed group to a pinned block (device-to-host at PCIe speed on its own copy stream) and the
+writer writes it from there. Blocks are sized to the group they hold (rounded up, with a little
+headroom so the next save's slightly different sizes fit), kept after the save and reused, so a
+steady state pins nothing.
+
+Pinning is the expensive part (the driver locks every page; seconds for tens of GB), so it is
+never done on the training thread: the compressor pins what it needs when it needs it, and
+:meth:`PinnedPool.reserve` pins ahead of time on a background thread (what
+``AsyncCheckpointer.preallocate`` calls).
+
+Memory is allocated with ``mmap`` (page-aligned, with transparent huge pages advised, which
+makes pinning cheaper) and registered with ``cudaHostRegister``: torch's own pinned allocator
+rounds every block up to a power of two, which would cost up to twice the compressed state.
+Without CUDA (``pin=False``) the blocks are plain memory, which is how the CPU tests run.
+
+Threads: ``acquire`` on the compressor thread, ``give_back`` on the checkpoint worker thread,
+``reserve`` starts a thread of its own; every method takes the pool's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("asyncckpt")
+
+BLOCK_ALIGN_BYTES = 2 << 20
+"""Blocks are a whole number of 2 MiB huge pages."""
+HEADROOM_DIVISOR = 16
+"""A block is made 1/16 larger than asked, so the next save's groups, a little larger, still fit."""
+REUSE_FACTOR = 2
+"""A free block is reused for a request down to 1/REUSE_FACTOR of its size."""
+
+
+def block_size_for(nbytes: int) -> int:
+    want = nbytes + nbytes // HEADROOM_DIVISOR
+    return max(BLOCK_ALIGN_BYTES, -(-want // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
+
+
+@dataclass(eq=False)
+class PinnedBlock:
+    """One registered host allocation; ``data`` is its bytes (1-D uint8)."""
+
+    data: torch.Tensor
+    _mapping: mmap.mmap | None
+    pinned: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+class PinnedPool:
+    """Pinned blocks up to ``budget_bytes`` in all; see the module docstring."""
+
+    def __init__(self, budget_bytes: int, pin: bool | None = None) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._lock = threading.Lock()
+        self._free: list[PinnedBlock] = []
+        self._allocated_bytes = 0
+        self._reserving: threading.Thread | None = None
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes the pool holds (free and in use)."""
+        return self._allocated_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    def acquire(self, nbytes: int) -> PinnedBlock | None:
+        """A block of at least ``nbytes``: a free one that fits, else a new one; None if the budget is spent.
+
+        Compressor thread. Pinning a new block takes time (about a second per few GB); that is
+        why :meth:`reserve` exists.
+        """
+        with self._lock:
+            fitting = [b for b in self._free if nbytes <= b.nbytes]
+            if fitting:
+                best = min(fitting, key=lambda b: b.nbytes)
+                if best.nbytes <= max(nbytes * REUSE_FACTOR, BLOCK_ALIGN_BYTES) or not self._room_for(nbytes):
+                    self._free.remove(best)
+                    return best
+            size = block_size_for(nbytes)
+            if self._allocated_bytes + size > self.budget_bytes:
+                size = nbytes  # no headroom when the budget is tight
+                if self._allocated_bytes + size > self.budget_bytes:
+                    return None
+            self._allocated_bytes += size  # counted before pinning, outside the lock
+        try:
+            return self._allocate(size)
+        except BaseException:
+            with self._lock:
+                self._allocated_bytes -= size
+            raise
+
+    def _room_for(self, nbytes: int) -> bool:
+        return self._allocated_bytes + block_size_for(nbytes) <= self.budget_bytes
+
+    def give_back(self, blocks: Sequence[PinnedBlock]) -> None:
+        """Return blocks for reuse. Worker thread, once nothing reads them any more."""
+        with self._lock:
+            self._free.extend(blocks)
+
+    def reserve(self, sizes: Sequence[int]) -> threading.Thread:
+        """Pin free blocks of ``sizes`` bytes on a background thread (within the budget); returns the thread."""
+
+        def run() -> None:
+            blocks = []  # held until the end, so each size gets a block of its own
+            try:
+                for size in sizes:
+                    block = self.acquire(size)
+                    if block is None:
+                        log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
+                                 self.budget_bytes)  # fmt: skip
+                        return
+                    blocks.append(block)
+            finally:
+                self.give_back(blocks)
+
+        thread = threading.Thread(target=run, name="asyncckpt-pin", daemon=True)
+        thread.start()
+        self._reserving = thread
+        return thread
+
+    def trim(self, keep_bytes: int) -> int:
+        """Free unused blocks, largest first, until at most ``keep_bytes`` are free; returns bytes freed."""
+        freed = []
+        with self._lock:
+            self._free.sort(key=lambda b: b.nbytes)
+            while self._free and sum(b.nbytes for b in self._free) > keep_bytes:
+                freed.append(self._free.pop())
+            freed_bytes = sum(b.nbytes for b in freed)
+            self._allocated_bytes -= freed_bytes
+        for block in freed:
+            _unpin(block)
+        return freed_bytes
+
+    def close(self) -> None:
+        """Free every free block; blocks still in use are freed by whoever holds them last."""
+        if self._reserving is not None:
+            self._reserving.join()
+        self.trim(0)
+
+    def _allocate(self, size: int) -> PinnedBlock:
+        mapping = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # THP disabled on this kernel: pinning is slower, nothing else changes
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+        data = torch.frombuffer(mapping, dtype=torch.uint8)
+        if self.pin:
+            status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0)
+            if int(status) != 0:
+                raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(status)})")
+        return PinnedBlock(data=data, _mapping=mapping, pinned=self.pin)
+
+
+def _unpin(block: PinnedBlock) -> None:
+    if block.pinned:
+        torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr())
+        block.pinned = False
+    # The mapping is unmapped when the last view of `data` is gone (mmap refuses to close while exported).
+    block.data = torch.empty(0, dtype=torch.uint8)
+    block._mapping = None

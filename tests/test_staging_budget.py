@@ -1,0 +1,155 @@
+"""GPU staging budgets on the CPU: the planning arithmetic, the pinned block pool, preallocation.
+
+The GPU side of the same machinery (saves of a state larger than the budget on a filled GPU)
+is in tests/gpu/test_gpu_full.py and runs on the H200.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.gpu.budget import (
+    MAX_GROUP_BYTES,
+    MIN_GROUP_BYTES,
+    SCRATCH_PER_RAW_BYTE,
+    plan_groups,
+    plan_staging,
+    scratch_for,
+)
+from asyncckpt.gpu.pinned_pool import PinnedPool, block_size_for
+from asyncckpt.gpu.staging import spilled_group_sizes
+from asyncckpt.snapshot import HostStager
+from asyncckpt.snapshot.host import default_host_budget_bytes
+from asyncckpt.tree import flatten
+
+MiB, GiB = 1 << 20, 1 << 30
+WINDOW = GiB
+
+
+def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int) -> int:  # type: ignore[no-untyped-def]
+    """GPU memory a save run by ``plan`` may hold beyond the live state."""
+    scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+    if plan.mode == "device":
+        return max(arena, device_bytes * slots) + scratch + WINDOW
+    if plan.mode == "fence":
+        return scratch + plan.resident_bytes
+    return 0
+
+
+@pytest.mark.parametrize("requested", ["auto", "device", "fence", "host"])
+def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str) -> None:
+    sizes = [0, MiB, 512 * MiB, 4 * GiB, 34 * GiB, 100 * GiB]
+    budgets = [0, 100 * MiB, 192 * MiB, GiB, 2500 * MiB, 30 * GiB, 140 * GiB]
+    for device_bytes, budget, arena, slots, largest_fraction in itertools.product(
+        sizes, budgets, [0, 8 * GiB], [1, 2], [0.01, 0.5]
+    ):
+        largest = int(device_bytes * largest_fraction)
+        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW)
+        where = f"{requested} state={device_bytes} budget={budget} arena={arena} slots={slots} largest={largest}"
+        assert MIN_GROUP_BYTES <= plan.group_bytes <= MAX_GROUP_BYTES, where
+        assert memory_held(plan, device_bytes, arena, slots, largest) <= budget, where
+        assert plan.reason, where
+        if requested == "host":
+            assert plan.mode == "host", where
+        if plan.mode == "host" and requested != "host":
+            assert "scratch" in plan.reason, where  # degraded only when not even the scratch fits
+
+
+def test_auto_prefers_a_device_copy_then_a_fence() -> None:
+    roomy = plan_staging("auto", 12 * GiB, 30 * GiB, 0, 1, 256 * MiB, WINDOW)
+    assert roomy.mode == "device"
+    full = plan_staging("auto", 34 * GiB, 2500 * MiB, 0, 1, 256 * MiB, WINDOW)
+    assert full.mode == "fence"
+    assert "gpu_staging_budget_bytes" in full.reason
+    assert full.group_bytes * SCRATCH_PER_RAW_BYTE * 2 <= 2500 * MiB
+    asked = plan_staging("device", 34 * GiB, 2500 * MiB, 0, 1, 256 * MiB, WINDOW)
+    assert asked.mode == "fence" and "fenced instead" in asked.reason
+    starved = plan_staging("fence", 34 * GiB, 64 * MiB, 0, 1, 256 * MiB, WINDOW)
+    assert starved.mode == "host" and "scratch" in starved.reason
+
+
+def test_groups_keep_order_and_respect_the_group_size() -> None:
+    sizes = [5, 1, 7, 0, 3, 12, 2, 2, 2]
+    for group_bytes in range(1, 20):
+        groups = plan_groups(sizes, group_bytes)
+        assert [i for g in groups for i in g] == list(range(len(sizes)))
+        for g in groups:
+            assert len(g) == 1 or sum(sizes[i] for i in g) <= group_bytes
+    assert plan_groups([], 10) == []
+
+
+def test_spilled_groups_cover_the_bytes_that_leave_the_gpu() -> None:
+    sizes = [4, 4, 4, 4, 4]
+    assert spilled_group_sizes(sizes, 8, 0) == []
+    assert spilled_group_sizes(sizes, 8, 3) == [4]  # the last group first
+    assert sorted(spilled_group_sizes(sizes, 8, 9)) == [4, 8]
+    assert sum(spilled_group_sizes(sizes, 8, 100)) == 20
+
+
+def test_pinned_pool_reuses_blocks_and_stops_at_its_budget() -> None:
+    pool = PinnedPool(budget_bytes=64 * MiB, pin=False)
+    a = pool.acquire(10 * MiB)
+    assert a is not None and a.nbytes >= 10 * MiB
+    a.data[: 10 * MiB].fill_(7)  # real, writable memory
+    held = pool.allocated_bytes
+    assert held == block_size_for(10 * MiB)
+    pool.give_back([a])
+    b = pool.acquire(9 * MiB)
+    assert b is a and pool.allocated_bytes == held  # reused, nothing new allocated
+    c = pool.acquire(40 * MiB)
+    assert c is not None
+    assert pool.acquire(40 * MiB) is None  # over the budget: the caller degrades
+    assert pool.allocated_bytes <= pool.budget_bytes
+    c_bytes = c.nbytes
+    pool.give_back([b, c])
+    assert pool.trim(0) == held + c_bytes
+    assert pool.allocated_bytes == 0
+    pool.close()
+
+
+def test_pinned_pool_reserve_runs_in_the_background_and_is_reused() -> None:
+    pool = PinnedPool(budget_bytes=GiB, pin=False)
+    pool.reserve([30 * MiB, 20 * MiB]).join()
+    reserved = pool.allocated_bytes
+    assert reserved >= 50 * MiB and pool.free_bytes == reserved
+    got = [pool.acquire(30 * MiB), pool.acquire(20 * MiB)]
+    assert all(g is not None for g in got) and pool.allocated_bytes == reserved
+    pool.close()
+
+
+def test_host_budget_is_shared_by_the_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = default_host_budget_bytes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_host_budget_bytes() == one // 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert default_host_budget_bytes() == one
+
+
+def test_host_preallocate_sizes_the_arena_before_the_first_save() -> None:
+    state = {"w": torch.randn(1000, 100), "b": torch.randn(10), "m": [torch.arange(5000)]}
+    stager = HostStager(slots=1)
+    flat = flatten(state)
+    stager.preallocate(flat).join()
+    slot = stager._free.get()
+    stager._free.put(slot)
+    assert slot.numel() >= 1000 * 100 * 4 + 5000 * 8
+    snapshot = stager.stage(flat)
+    assert snapshot.copy._slot.data_ptr() == slot.data_ptr()  # the first save allocated nothing
+    snapshot.wait_ready()
+    assert torch.equal(snapshot.copy.copies[0], state["w"])
+    snapshot.release()
+
+
+def test_checkpointer_reports_its_mode_and_why_and_preallocates(tmp_path: Path) -> None:
+    state = {"w": torch.randn(256, 64), "step": 3}
+    with asyncckpt.AsyncCheckpointer(tmp_path, preallocate_for=state) as ckpt:
+        result = ckpt.save(1, state).result()
+    assert result.snapshot_mode == "host"
+    assert "CPU" in result.snapshot_reason
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], state["w"])
