@@ -212,6 +212,11 @@ class Asyncckpt(Method):
         self.label = f"asyncckpt {snapshot} snapshot, {codec} codec"
         self._checkpointer: Any = None
 
+    @property
+    def checkpointer(self) -> Any:
+        """The open :class:`~asyncckpt.AsyncCheckpointer` (None before ``open``)."""
+        return self._checkpointer
+
     def open(self, scratch: Path) -> None:
         from asyncckpt import AsyncCheckpointer
 
@@ -226,7 +231,8 @@ class Asyncckpt(Method):
         def finish() -> Finished:
             result = handle.result()
             details = {"library_stall_seconds": result.stall_seconds, "gpu_idle_seconds": result.gpu_idle_seconds,
-                       "snapshot_mode": result.snapshot_mode, "io_mode": result.io_mode, "codecs": dict(result.codecs),
+                       "snapshot_mode": result.snapshot_mode, "snapshot_reason": result.snapshot_reason,
+                       "io_mode": result.io_mode, "codecs": dict(result.codecs),
                        "stage_seconds": dict(result.stage_seconds)}  # fmt: skip
             return Finished(result.durable_seconds, Path(result.path), details)
 

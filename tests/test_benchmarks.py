@@ -241,3 +241,20 @@ def test_gpu_pipeline_judges_blocked_time_on_the_median_of_its_samples() -> None
 
     fence["blocked_samples_seconds"] = [2.1e-3, 1.2e-3, 2.2e-3]  # a median over the bound misses it
     assert not gpu_pipeline.verdicts(report_)["fence"]["blocked_ok"]
+
+
+def test_full_gpu_tiny(tmp_path: Path) -> None:
+    """The full-GPU benchmark end to end at CPU size: every row measured, the report and chart written."""
+    proc = run_module("-m", "benchmarks.full_gpu", "--tiny", "--out", str(tmp_path), "--scratch", str(tmp_path / "s"))
+    (report_path,) = tmp_path.glob("full_gpu-*.json")
+    data = json.loads(report_path.read_text())
+    (size,) = data["sizes"]
+    rows = size["rows"]
+    assert {r["method"] for r in rows} == {"asyncckpt:host:auto", "dcp.async_save"}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["durable_seconds"] > 0 and row["stored_bytes"] > 0
+        assert row["lost_seconds"] >= row["call_seconds"] > 0
+    assert report_path.with_suffix(".png").stat().st_size > 0
+    assert "training time lost" in proc.stdout
+    assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"

@@ -1,0 +1,297 @@
+"""Checkpointing a nearly full GPU: training time lost, durable time and peak extra memory per method.
+
+The regime large-model users live in: tens of GB of optimizer state on a GPU that training has
+nearly filled. For each model size (``--sizes``, TinyGPT width x layers, fused AdamW, BF16
+autocast, trained on real text), the GPU is filled with a placeholder allocation until
+``--gpu-free-gb`` remain, then each method (``--methods``, names as in :mod:`benchmarks.methods`)
+saves the state (weights + optimizer, no gradients) ``--saves`` times while training goes on.
+Per save it reports:
+
+* the ``save()`` call (host seconds on the training thread);
+* **training time lost**: the call plus, for every step that ran until the checkpoint was
+  durable, its time minus the baseline step time (median of steps with no save in flight);
+* durable seconds, stored bytes, and the disk's own write bandwidth measured in the same run;
+* peak extra GPU memory (driver-reported, sampled every 20 ms: nvCOMP's allocations count) and
+  peak extra host RSS (pinned staging included) over the memory in use before the save;
+* for asyncckpt, the snapshot mode that ran and why.
+
+Checkpoints are deleted after each save (the H200's disk holds one 34 GB checkpoint at a time).
+Progress goes to stderr; the report to ``--out`` as ``full_gpu-<stamp>-<gpu>.json`` and ``.md``.
+``--tiny`` is the CPU smoke test. ``--chart JSON`` draws the chart of an existing report (where
+matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    MemorySampler,
+    Progress,
+    Workload,
+    WorkloadConfig,
+    describe_machine,
+    fmt_bytes,
+    fmt_seconds,
+    path_bytes,
+    release_memory,
+    remove,
+    result_name,
+    tensor_bytes,
+    versions,
+    write_json,
+)
+from benchmarks.methods import Asyncckpt, Unavailable, build_method
+
+DEFAULT_SIZES = "2560x13,4096x14"
+"""1.0B and 2.8B parameters (33.9 GB of weights and AdamW moments, the issue's setup)."""
+DEFAULT_METHODS = "asyncckpt:auto:auto,asyncckpt:fence:auto,asyncckpt:device:auto,asyncckpt:host:auto,dcp.async_save"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.full_gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="WIDTHxLAYERS,... (default: %(default)s)")
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--gpu-free-gb", type=float, default=10.0, help="GPU memory left free by the filler")
+    p.add_argument("--saves", type=int, default=2, help="saves per asyncckpt method (the first allocates)")
+    p.add_argument("--preallocate", action="store_true", help="also run asyncckpt:auto:auto with preallocate_for")
+    p.add_argument("--scratch", type=Path, default=Path(os.environ.get("BENCH_SCRATCH", ".bench-scratch")))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--tiny", action="store_true", help="CPU-sized smoke test")
+    p.add_argument("--chart", type=Path, help="draw the chart of this JSON report and exit")
+    return p.parse_args(argv)
+
+
+def disk_write_bandwidth(scratch: Path, nbytes: int) -> float:
+    """Bytes per second of one sequential write plus fsync of ``nbytes``, on the scratch file system."""
+    path = scratch / "disk-probe.bin"
+    block = os.urandom(64 << 20)
+    began = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - began
+    path.unlink()
+    return max(1, nbytes // len(block)) * len(block) / seconds
+
+
+def fill_gpu(device: torch.device, leave_bytes: int) -> torch.Tensor | None:
+    """Allocate (and hold) GPU memory until ``leave_bytes`` are free; what training would occupy."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    take = free - leave_bytes
+    return torch.empty(take, dtype=torch.uint8, device=device) if take > 0 else None
+
+
+def checkpoint_state(work: Workload) -> dict[str, Any]:
+    return {"model": work.model.state_dict(), "optim": work.optimizer.state_dict(), "step": work.steps_done}
+
+
+def measure_save(method: Any, work: Workload, step: int, baseline: float, sampler: MemorySampler) -> dict[str, Any]:
+    """One save while training continues: what it cost until durable."""
+    work.step()  # the state to save is one step newer than the last save's
+    if work.device.type == "cuda":
+        torch.cuda.synchronize(work.device)
+    gpu_before, host_before = sampler.reset()
+    began = time.perf_counter()
+    pending = method.save(step, checkpoint_state(work))
+    call = time.perf_counter() - began
+    steps = []
+    while not pending.done():
+        steps.append(work.step())
+    finished = pending.finish()
+    gpu_peak, host_peak = sampler.peaks()
+    lost = call + sum(max(0.0, s - baseline) for s in steps)
+    row = {
+        "call_seconds": call,
+        "lost_seconds": lost,
+        "steps_while_persisting": len(steps),
+        "durable_seconds": finished.durable_seconds,
+        "stored_bytes": path_bytes(finished.path),
+        "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
+        "extra_host_bytes": max(0, host_peak - host_before),
+        "host_rss_before_bytes": host_before,
+        **{k: v for k, v in finished.details.items() if k in ("snapshot_mode", "snapshot_reason", "io_mode")},
+    }
+    remove(finished.path)
+    return row
+
+
+def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progress) -> dict[str, Any]:
+    config = WorkloadConfig(width=width, layers=layers, context=64 if args.tiny else 128, batch=4 if args.tiny else 8)
+    work = Workload(config)
+    device = work.device
+    for _ in range(3):
+        work.step()  # AdamW creates its moments at the first step
+    state_bytes = tensor_bytes(checkpoint_state(work))
+    progress.say(f"{width}x{layers}: {work.parameters / 1e9:.2f}B parameters, {fmt_bytes(state_bytes)} to checkpoint")
+    baseline = statistics.median(work.step() for _ in range(5))
+    filler = fill_gpu(device, int(args.gpu_free_gb * 1e9))
+    free_after_fill = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    baseline = statistics.median([baseline, *(work.step() for _ in range(3))])
+    progress.say(f"baseline step {fmt_seconds(baseline)}; GPU free {fmt_bytes(free_after_fill)}")
+    sampler = MemorySampler(device)
+    rows: list[dict[str, Any]] = []
+    step = 0
+    names = args.methods.split(",") + (["asyncckpt:auto:auto+preallocate"] if args.preallocate else [])
+    for name in names:
+        preallocate = name.endswith("+preallocate")
+        try:
+            method = build_method(name.removesuffix("+preallocate"))
+            method.open(args.scratch / f"{width}x{layers}")
+        except Unavailable as exc:
+            rows.append({"method": name, "unavailable": str(exc)})
+            continue
+        saves = args.saves if name.startswith("asyncckpt") else 1
+        try:
+            if preallocate:
+                assert isinstance(method, Asyncckpt) and method.checkpointer is not None
+                method.checkpointer.preallocate(checkpoint_state(work)).join()
+            for k in range(saves):
+                step += 1
+                try:
+                    row = {"method": name, "save": k + 1, **measure_save(method, work, step, baseline, sampler)}
+                except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
+                    row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
+                rows.append(row)
+                progress.say(
+                    f"{width}x{layers} {name} save {k + 1}: "
+                    + (
+                        row.get("error")
+                        or (
+                            f"call {fmt_seconds(row['call_seconds'])}, lost {fmt_seconds(row['lost_seconds'])}, durable "
+                            f"{fmt_seconds(row['durable_seconds'])}, extra GPU {fmt_bytes(row['extra_gpu_bytes'])}, host "
+                            f"{fmt_bytes(row['extra_host_bytes'])}, mode {row.get('snapshot_mode', '-')}"
+                        )
+                    )
+                )
+        finally:
+            method.close()
+            release_memory(device)
+    sampler.close()
+    del filler
+    result = {
+        "width": width,
+        "layers": layers,
+        "parameters": work.parameters,
+        "state_bytes": state_bytes,
+        "baseline_step_seconds": baseline,
+        "gpu_free_after_fill_bytes": free_after_fill,
+        "rows": rows,
+    }
+    del work
+    release_memory(device)
+    return result
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Checkpointing a nearly full GPU",
+        "",
+        f"{report['when']}, {report['machine'].get('gpu') or 'CPU'}; {report['versions_line']}.",
+        f"GPU filled until {report['gpu_free_gb']} GB were free; disk wrote "
+        f"{fmt_bytes(report['disk_bytes_per_second'])}/s "
+        "(one sequential write + fsync, same run). Command: `" + report["command"] + "`.",
+        "",
+    ]
+    for size in report["sizes"]:
+        lines += [
+            f"## {size['parameters'] / 1e9:.2f}B parameters ({size['width']}x{size['layers']}), "
+            f"{fmt_bytes(size['state_bytes'])} of weights + AdamW state; baseline step "
+            f"{fmt_seconds(size['baseline_step_seconds'])}",
+            "",
+            "| method | save | save() call | training time lost | durable | stored | extra GPU | extra host | mode |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in size["rows"]:
+            if "unavailable" in r or "error" in r:
+                lines.append(f"| {r['method']} | {r.get('save', '-')} | {r.get('unavailable') or r['error']} ||||||| ")
+                continue
+            lines.append(
+                f"| {r['method']} | {r['save']} | {fmt_seconds(r['call_seconds'])} | {fmt_seconds(r['lost_seconds'])} "
+                f"| {fmt_seconds(r['durable_seconds'])} | {fmt_bytes(r['stored_bytes'])} "
+                f"| {fmt_bytes(r['extra_gpu_bytes'])} | {fmt_bytes(r['extra_host_bytes'])} "
+                f"| {r.get('snapshot_mode', '-')} |"
+            )
+        reasons = {r.get("snapshot_reason") for r in size["rows"] if r.get("snapshot_reason")}
+        lines += ["", *(f"- mode chosen: {why}" for why in sorted(reasons)), ""]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report["sizes"]), figsize=(6 * len(report["sizes"]), 4), squeeze=False)
+    for ax, size in zip(axes[0], report["sizes"], strict=True):
+        rows = [r for r in size["rows"] if "lost_seconds" in r]
+        labels = [f"{r['method'].replace('asyncckpt:', '')} #{r['save']}" for r in rows]
+        ax.barh(labels, [r["lost_seconds"] for r in rows], color=["#888" if "dcp" in r["method"] else "#2a7"
+                                                                   for r in rows])  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("training time lost per checkpoint (s, log)")
+        ax.set_title(f"{size['parameters'] / 1e9:.1f}B params, {fmt_bytes(size['state_bytes'])}, "
+                     f"{report['gpu_free_gb']} GB free")  # fmt: skip
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.chart is not None:
+        import json
+
+        chart(json.loads(args.chart.read_text()), args.chart.with_suffix(".png"))
+        print(args.chart.with_suffix(".png"))
+        return 0
+    progress = Progress()
+    if args.tiny:
+        args.sizes, args.gpu_free_gb = "64x2", 0.0
+        if not torch.cuda.is_available():
+            args.methods = "asyncckpt:host:auto,dcp.async_save"
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    disk = disk_write_bandwidth(args.scratch, (64 << 20) if args.tiny else (4 << 30))
+    progress.say(f"disk: {fmt_bytes(disk)}/s write + fsync")
+    machine = describe_machine(args.scratch)
+    v = versions()
+    report: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()),
+        "machine": machine,
+        "versions": v,
+        "versions_line": ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "command": "python -m benchmarks.full_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        "gpu_free_gb": args.gpu_free_gb,
+        "disk_bytes_per_second": disk,
+        "sizes": [],
+    }
+    name = result_name("full_gpu", machine, args.tiny)
+    for size in args.sizes.split(","):
+        width, layers = (int(x) for x in size.split("x"))
+        report["sizes"].append(run_size(args, width, layers, progress))
+        write_json(args.out / f"{name}.json", report)  # after every size: a time limit keeps what ran
+        (args.out / f"{name}.md").write_text(markdown(report))
+    print(markdown(report))
+    try:
+        chart(report, args.out / f"{name}.png")
+    except ImportError:
+        progress.say("matplotlib is not installed: no chart (python -m benchmarks.full_gpu --chart JSON draws it)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
