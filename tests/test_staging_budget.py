@@ -112,6 +112,17 @@ def test_pinned_pool_reuses_blocks_and_stops_at_its_budget() -> None:
     pool.close()
 
 
+def test_pinned_pool_recycle_keeps_what_the_last_save_used() -> None:
+    pool = PinnedPool(budget_bytes=GiB, pin=False)
+    pool.reserve([30 * MiB, 20 * MiB, 100 * MiB]).join()
+    used = [pool.acquire(30 * MiB), pool.acquire(20 * MiB)]
+    assert all(b is not None for b in used)
+    freed = pool.recycle([b for b in used if b is not None])
+    assert freed >= 100 * MiB and pool.allocated_bytes == pool.free_bytes < 60 * MiB
+    assert pool.acquire(30 * MiB) is not None and pool.allocated_bytes < 60 * MiB
+    pool.close()
+
+
 def test_pinned_pool_reserve_runs_in_the_background_and_is_reused() -> None:
     pool = PinnedPool(budget_bytes=GiB, pin=False)
     pool.reserve([30 * MiB, 20 * MiB]).join()

@@ -129,3 +129,8 @@ def plan_staging(
             0,
         )
     return StagingPlan("fence", why, budget_bytes, group, budget_bytes - scratch)
+
+
+def fenced_instead(plan: StagingPlan, why: str) -> StagingPlan:
+    """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
+    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, plan.group_bytes, 0)

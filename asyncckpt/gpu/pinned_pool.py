@@ -116,6 +116,22 @@ class PinnedPool:
         with self._lock:
             self._free.extend(blocks)
 
+    def recycle(self, blocks: Sequence[PinnedBlock]) -> int:
+        """Give back the blocks a save used and free every other free block; returns the bytes freed.
+
+        Worker thread, at the end of a save. What the pool keeps is then what the last save
+        needed (a reservation larger than that, or blocks of an older, larger state, are freed),
+        which bounds pinned memory to about one compressed state per save in flight."""
+        with self._lock:
+            keep = {id(b) for b in blocks}
+            stale = [b for b in self._free if id(b) not in keep]
+            self._free = [*blocks, *(b for b in self._free if id(b) in keep)]
+            freed_bytes = sum(b.nbytes for b in stale)
+            self._allocated_bytes -= freed_bytes
+        for block in stale:
+            _unpin(block)
+        return freed_bytes
+
     def reserve(self, sizes: Sequence[int]) -> threading.Thread:
         """Pin free blocks of ``sizes`` bytes on a background thread (within the budget); returns the thread."""
 

@@ -15,8 +15,8 @@ thread** (``asyncckpt-compress``) at once. It cuts the state into groups of abou
 
 Group sizes come from the snapshot's :class:`~asyncckpt.gpu.budget.StagingPlan`, so the
 compressor's GPU memory stays within the save's budget. In ``fence`` mode two groups are in
-flight; the fence gate opens (and an event the next optimizer step waits on, on the GPU) once
-the last group's encode is queued; compressed groups beyond the plan's GPU allowance go to
+flight; the fence gate opens (with an event the next optimizer step waits on, on the GPU) once
+every group is resolved; compressed groups beyond the plan's GPU allowance go to
 pinned host memory (:meth:`GpuEncoder._compress_fenced`). Other modes resolve group by group,
 bounded by the channel's window.
 
@@ -42,13 +42,14 @@ import numpy as np
 import torch
 
 from ..codecs import EncodedBlob
+from ..errors import CheckpointError
 from ..snapshot import Snapshot, StagedTensor
 from . import batch, kernels
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .budget import GROUPS_IN_FLIGHT, plan_groups
 from .fence import FenceGate
 from .planes import plane_stride, split_into, split_tensor_into
-from .snapshot import GpuSnapshot, Group
+from .snapshot import BlobChannel, GpuSnapshot, Group
 from .specs import CodecSpec
 from .staging import TINY_BYTES, aligned_layout, aligned_offsets, copy_fence_stragglers
 
@@ -60,12 +61,17 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_GROUP_BYTES = 1 << 30
 """Raw bytes per nvCOMP call for snapshots built outside a checkpointer (``convert``); saves take
 theirs from their plan. Larger groups cost less host time per byte (docs/benchmarks.md)."""
+MIN_RETRY_GROUP_BYTES = 4 << 20
+"""Smallest group tried when GPU memory runs short mid-save; a tensor that fails alone then is stored raw."""
 PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Compressed bytes that may wait for the writer before the compressor pauses (not in fence mode)."""
 
 _STOP = object()
+
+_Outgoing = tuple[Group, int, "torch.cuda.Event | None", "torch.Tensor | None"]
+"""A resolved group on its way to the channel: (blobs, bytes, event its host copy waits for, buffer kept alive)."""
 
 
 @dataclass
@@ -237,21 +243,43 @@ class GpuEncoder:
         stays within the plan's scratch whatever the size of the state. Each compressed group
         stays on the GPU while the plan's ``resident_bytes`` allow, else it is copied to a pinned
         block on the copy stream (overlapping the next group's encode) and written from there.
-        The gate opens once the last group's encode is queued: the next optimizer step waits on
-        the GPU for it, and the host waits for nothing more.
+        The gate opens once every group is resolved (so a group may still be retried in smaller
+        pieces when training has taken the memory the plan counted on), with an event the next
+        optimizer step waits on, on the GPU.
         """
         channel = snapshot.channel
         resident_left = snapshot.plan.resident_bytes
+        group_bytes = snapshot.plan.group_bytes
         todo = deque(groups)
-        encoding: deque[_Work] = deque()
-        outgoing: deque[tuple[Group, int, torch.cuda.Event | None, torch.Tensor | None]] = deque()
-        opened = False
+        encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
+        outgoing: deque[_Outgoing] = deque()
         while (todo or encoding) and not channel.cancelled:
-            while todo and len(encoding) < GROUPS_IN_FLIGHT:
-                encoding.append(self._enqueue(todo.popleft()))
-            if not todo and not opened:
-                opened = self._open_gate(gate, stats, began)
-            blobs, nbytes, packed = self._resolve(encoding.popleft(), stats)
+            try:
+                while todo and len(encoding) < GROUPS_IN_FLIGHT:
+                    encoding.append((todo[0], self._enqueue(todo[0])))
+                    todo.popleft()
+                blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
+                encoding.popleft()
+            except torch.cuda.OutOfMemoryError:
+                # Training took the memory the plan counted on. The gate is still closed, so the
+                # live tensors may be read again: retry the rest in smaller groups, and a tensor
+                # that does not fit alone goes raw to pinned memory.
+                retry = [g for g, _work in encoding] + list(todo)
+                encoding.clear()
+                if group_bytes > MIN_RETRY_GROUP_BYTES:
+                    group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // 2)
+                    flat = [pair for g in retry for pair in g]
+                    todo = deque(self._plan([t for _i, t in flat], group_bytes, [i for i, _t in flat]))
+                elif len(retry[0]) > 1:
+                    todo = deque([[pair] for pair in retry[0]] + retry[1:])
+                else:
+                    todo = deque(retry[1:])
+                    outgoing.append(self._store_raw(snapshot, retry[0], stats))
+                    continue
+                note = f"GPU memory ran short while compressing: groups of {group_bytes} bytes or single tensors"
+                stats.notes.append(note)
+                log.warning("asyncckpt: %s", note)
+                continue
             if nbytes <= resident_left:
                 resident_left -= nbytes
                 outgoing.append((blobs, nbytes, None, None))
@@ -259,25 +287,62 @@ class GpuEncoder:
                 outgoing.append(self._spill(snapshot, blobs, nbytes, packed, stats))
             # Hand over in order; a spilled group once its copy to the host has landed, keeping
             # one copy in flight behind the next group's encode.
-            while outgoing and (outgoing[0][2] is None or len(outgoing) > 1 or not (todo or encoding)):
-                group, size, copied, _packed = outgoing.popleft()
-                if copied is not None:
-                    copied.synchronize()
-                if not channel.put(group, size):
+            while outgoing and (outgoing[0][2] is None or len(outgoing) > 1):
+                if not self._hand_over(channel, outgoing.popleft()):
                     return
-        if not opened:
-            self._open_gate(gate, stats, began)
+        # Every read of the live tensors is queued (and resolved): the next optimizer step may
+        # run once `done` has passed on the GPU.
+        self._open_gate(gate, stats, began)
         gate.mark_staged()
+        while outgoing:
+            if not self._hand_over(channel, outgoing.popleft()):
+                return
 
-    def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> bool:
+    @staticmethod
+    def _hand_over(channel: BlobChannel, item: _Outgoing) -> bool:
+        group, size, copied, _keep_alive = item
+        if copied is not None:
+            copied.synchronize()
+        return channel.put(group, size)
+
+    def _store_raw(self, snapshot: GpuSnapshot, group: list[tuple[int, StagedTensor]],
+                   stats: CompressStats) -> _Outgoing:  # fmt: skip
+        """Copy a tensor that cannot be compressed in the GPU memory left raw to a pinned block
+        (the copy engine needs no scratch). Compressor thread, before the gate opens."""
+        ((index, staged),) = group
+        n = staged.data.numel()
+        if not staged.data.is_cuda:  # a host-staged copy is final already
+            return [(index, EncodedBlob(data=staged.data, codec="none", chunks=[(n, n)]))], n, None, None
+        block = snapshot.pool.acquire(n)
+        if block is None:
+            raise CheckpointError(
+                f"tensor {staged.key!r} ({n} bytes) fits neither the free GPU memory (to compress) nor "
+                f"host_staging_budget_bytes ({snapshot.pool.budget_bytes}); raise the host budget or free GPU memory"
+            )
+        snapshot.pinned.append(block)
+        host = block.data[:n]
+        copy_stream = self._copy_stream_for()
+        copy_stream.wait_stream(self.stream)  # after `ready`: the bytes at the save point
+        with torch.cuda.stream(copy_stream):
+            host.copy_(staged.data, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+        note = f"tensor {staged.key!r} stored raw: GPU memory ran short while compressing it"
+        stats.notes.append(note)
+        log.warning("asyncckpt: %s", note)
+        stats.raw_bytes += n
+        stats.stored_bytes += n
+        stats.spilled_bytes += n
+        return [(index, EncodedBlob(data=host, codec="none", chunks=[(n, n)]))], n, copied, None
+
+    def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> None:
         done = torch.cuda.Event()
         done.record(self.stream)  # after every kernel that reads the live tensors
         gate.open(done)
         stats.gate_seconds = time.perf_counter() - began
-        return True
 
     def _spill(self, snapshot: GpuSnapshot, blobs: Group, nbytes: int, packed: torch.Tensor,
-               stats: CompressStats) -> tuple[Group, int, torch.cuda.Event | None, torch.Tensor | None]:  # fmt: skip
+               stats: CompressStats) -> _Outgoing:  # fmt: skip
         """Copy a resolved group's packed bytes to a pinned block; its blobs then point there.
 
         When the host staging budget is spent, the group stays on the GPU and the channel gets a
@@ -327,9 +392,12 @@ class GpuEncoder:
         stats.wall_seconds = time.perf_counter() - began
         self.history.append(stats)
 
-    def _plan(self, tensors: Sequence[StagedTensor], group_bytes: int) -> list[list[tuple[int, StagedTensor]]]:
+    def _plan(self, tensors: Sequence[StagedTensor], group_bytes: int,
+              indices: Sequence[int] | None = None) -> list[list[tuple[int, StagedTensor]]]:  # fmt: skip
+        """Groups of (index, tensor); ``indices`` are the tensors' indices in the snapshot (default: positions)."""
+        at = range(len(tensors)) if indices is None else indices
         groups = plan_groups([staged.data.numel() for staged in tensors], group_bytes)
-        return [[(index, tensors[index]) for index in group] for group in groups]
+        return [[(at[i], tensors[i]) for i in group] for group in groups]
 
     def _enqueue(self, group: list[tuple[int, StagedTensor]]) -> _Work:
         """Queue every kernel of one group on the stream; no host wait. The stream is current."""

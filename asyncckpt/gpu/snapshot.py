@@ -183,7 +183,8 @@ class GpuSnapshot:
             self.gate.fail()  # no-op when already open; never leave a training step waiting
         if self.host_part is not None:
             self.host_part.release()
-        self.pool.give_back(self.pinned)  # the writer is done with them: write_part releases after sync
+        if self.pinned:  # the writer is done with them: write_part releases after sync
+            self.pool.recycle(self.pinned)
         self.pinned = []
         self.sources = []
         with self._lock:

@@ -26,6 +26,7 @@ decides, at every save, from the free memory measured then, and says why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,7 +37,7 @@ import torch
 from ..snapshot import HostStager
 from ..tree import FlatState
 from . import fence
-from .budget import StagingPlan, default_gpu_budget, plan_groups, plan_staging
+from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -107,6 +108,10 @@ def copy_fence_stragglers(snapshot: GpuSnapshot) -> None:
         snapshot.sources_final.set()
 
 
+ArenaSlot = tuple[int, list[torch.Tensor], list[torch.Tensor]]
+"""An acquired arena slot: (slot id, typed views to copy into, byte views)."""
+
+
 class DeviceArena:
     """GPU staging slots, one per in-flight save, each reused for every save that fits it."""
 
@@ -125,7 +130,7 @@ class DeviceArena:
         for i in range(slots):
             self._free.put(i)
 
-    def acquire(self, tensors: Sequence[torch.Tensor]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    def acquire(self, tensors: Sequence[torch.Tensor]) -> ArenaSlot:
         """A free slot holding room for ``tensors``: (slot id, typed views, byte views)."""
         signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         slot = self._free.get()  # the caller holds an in-flight slot, so one is free
@@ -222,6 +227,12 @@ class GpuStager:
             index = self.device.index
             here = [t.is_cuda and t.get_device() == index for t in tensors]
         plan = self._plan(tensors, here)
+        acquired = None
+        if plan.mode == "device":
+            try:
+                acquired = self.arena.acquire([t for t, on in zip(tensors, here, strict=True) if on])
+            except torch.cuda.OutOfMemoryError as exc:  # the budget is an estimate; never fail the save for it
+                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})")
         mode = plan.mode
         if self.on_mode is not None:
             self.on_mode(mode, plan.reason)
@@ -229,16 +240,23 @@ class GpuStager:
             here = [False] * len(tensors)
         sources = list(tensors)
         off_device = [i for i, on in enumerate(here) if not on]
-        host_part = self.host.copy([tensors[i] for i in off_device]) if off_device else None
+        try:
+            host_part = self.host.copy([tensors[i] for i in off_device]) if off_device else None
+        except BaseException:
+            if acquired is not None:
+                self.arena.release(acquired[0])
+            raise
         snapshot = GpuSnapshot(
             flat, plan, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes), self.pool
         )
+        if acquired is not None:
+            snapshot.on_release = functools.partial(self.arena.release, acquired[0])
         if host_part is not None:
             for i, copy in zip(off_device, host_part.copies, strict=True):
                 sources[i] = copy
         try:
-            if mode == "device":
-                self._copy_to_arena([i for i, on in enumerate(here) if on], sources, snapshot)
+            if acquired is not None:
+                self._copy_to_arena([i for i, on in enumerate(here) if on], sources, snapshot, acquired)
             elif mode == "fence":
                 self._fence(snapshot)
         except BaseException:
@@ -270,14 +288,13 @@ class GpuStager:
             self.mode, device_bytes, budget, self.arena.allocated_bytes, self.slots, largest, self.window_bytes
         )
 
-    def _to_arena(self, indices: list[int], sources: list[torch.Tensor],
-                  snapshot: GpuSnapshot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
-        """Copy ``sources[i]`` (tensors on this device) for ``indices`` into an arena slot with one
-        ``_foreach_copy_`` on the caller's stream; ``sources[i]`` becomes the slot's bytes.
-        Returns (began, ended) events."""
+    def _to_arena(self, indices: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
+                  acquired: ArenaSlot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
+        """Copy ``sources[i]`` (tensors on this device) for ``indices`` into the ``acquired`` arena
+        slot with one ``_foreach_copy_`` on the caller's stream; ``sources[i]`` becomes the slot's
+        bytes. Returns (began, ended) events."""
         tensors = [sources[i] for i in indices]
-        slot, typed, raw = self.arena.acquire(tensors)
-        snapshot.on_release = lambda: self.arena.release(slot)
+        _slot, typed, raw = acquired
         stream = torch.cuda.current_stream(self.device)
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record(stream)
@@ -289,9 +306,9 @@ class GpuStager:
             snapshot.staging_bytes += data.numel()
         return began, ended
 
-    def _copy_to_arena(self, on_device: list[int], sources: list[torch.Tensor],
-                       snapshot: GpuSnapshot) -> None:  # fmt: skip
-        began, ended = self._to_arena(on_device, sources, snapshot)
+    def _copy_to_arena(self, on_device: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
+                       acquired: ArenaSlot) -> None:  # fmt: skip
+        began, ended = self._to_arena(on_device, sources, snapshot, acquired)
         snapshot.ready, snapshot.copy_timing = ended, (began, ended)
 
     def _fence(self, snapshot: GpuSnapshot) -> None:

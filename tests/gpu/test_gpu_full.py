@@ -46,6 +46,7 @@ def assert_restores(run_dir: Path, pairs: list[tuple[Any, SaveResult]]) -> None:
 
 def test_fence_over_the_budget_spills_compressed_groups_to_pinned_memory(run_dir: Path) -> None:
     trainer = Trainer(width=512, layers=4, autocast=True, fused=True)
+    trainer.step()  # every save holds the same tensors (AdamW's moments exist from the first step)
     budget = SMALLEST_SCRATCH + 8 * MiB  # room for the scratch, almost none for compressed output
     with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", gpu_staging_budget_bytes=budget) as ckpt:
         pairs = save_while_training(ckpt, trainer, range(1, 4))
@@ -54,8 +55,8 @@ def test_fence_over_the_budget_spills_compressed_groups_to_pinned_memory(run_dir
     for _reference, result in pairs:
         assert result.snapshot_mode == "fence"
     assert all(s.spilled_bytes > 0 for s in stats)
-    stored = pairs[-1][1].stored_bytes
-    assert pinned <= 1.1 * stored + 3 * (2 * MiB), "pinned staging is about the compressed size"
+    stored = max(result.stored_bytes for _reference, result in pairs)
+    assert pinned <= 1.1 * stored + 4 * MiB, f"pinned staging {pinned} for {stored} compressed bytes"
     assert_restores(run_dir, pairs)
 
 
@@ -142,4 +143,26 @@ def test_a_nearly_full_gpu_saves_within_its_default_budget(run_dir: Path) -> Non
     # by PyTorch already, so growth is the checkpointer's.
     assert peak[0] <= budget + 64 * MiB, f"peak extra GPU memory {peak[0]} over the budget {budget}"
     assert all(n > 0 for n in spilled), "the state did not fit the budget: compressed bytes went to the host"
+    assert_restores(run_dir, pairs)
+
+
+def test_an_optimistic_budget_on_a_full_gpu_degrades_instead_of_failing(run_dir: Path) -> None:
+    """A budget far above what is free (the plan is an estimate; training's use moves): the device
+    arena fails to allocate and the save runs fenced; the compressor runs out of memory, retries
+    in smaller groups, and stores what still does not fit raw. Every save succeeds, bit for bit."""
+    trainer = Trainer(width=1024, layers=4, autocast=True, fused=True)
+    for _ in range(2):
+        trainer.step()
+    free, _total = torch.cuda.mem_get_info(trainer.device)
+    filler = torch.empty(free - 96 * MiB, dtype=torch.uint8, device=trainer.device)
+    try:
+        with asyncckpt.AsyncCheckpointer(run_dir, snapshot="device", gpu_staging_budget_bytes=40 << 30) as ckpt:
+            pairs = save_while_training(ckpt, trainer, range(1, 3))
+            notes = [n for s in ckpt._backend.encoder.history for n in s.notes]
+    finally:
+        del filler
+    for _reference, result in pairs:
+        assert result.snapshot_mode == "fence"
+        assert "could not be allocated" in result.snapshot_reason
+    assert any("ran short" in n for n in notes), notes
     assert_restores(run_dir, pairs)
