@@ -178,6 +178,9 @@ class PinnedPool:
             with contextlib.suppress(OSError):  # THP disabled on this kernel: pinning is slower, nothing else changes
                 mapping.madvise(mmap.MADV_HUGEPAGE)
         data = torch.frombuffer(mapping, dtype=torch.uint8)
+        # Fault the pages in with torch's intra-op threads (many cores at once); registering
+        # pages that are already there is what the driver does fastest.
+        data.zero_()
         if self.pin:
             status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0)
             if int(status) != 0:
