@@ -1,10 +1,23 @@
-"""Hugging Face: a real tiny Trainer (GPT-2 built from a config, no downloads) saving through asyncckpt, and a
-resume from its checkpoint that ends bit-for-bit where the uninterrupted run ended."""
+"""Hugging Face: a real tiny Trainer (GPT-2 built from a config, no downloads) saving through asyncckpt.
+
+``checkpoint-N/`` must be what upstream's Trainer writes (model files, trainer state) with the training state in
+``asyncckpt/``: ``from_pretrained`` reads it, ``load_best_model_at_end`` finds the best model, a resume ends
+bit-for-bit where the uninterrupted run ended, rotation keeps the newest and the best, and a Hub push gets the
+files upstream uploads.
+
+Not tested, and why: the upload itself (``HfApi.upload_folder``); this machine cannot reach the Hub, and a
+fake Hub would test the fake. The push test instead records the folder upstream's ``_push_from_checkpoint`` is
+called with (through a subclass that records and returns, i.e. skips only the network part) and checks that
+it holds every file upstream's push copies (``CONFIG_NAME``, ``SAFE_WEIGHTS_NAME``, ...) and, for
+``hub_strategy="checkpoint"``, a committed ``asyncckpt/`` rather than its temporary directory.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,51 +26,150 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import asyncckpt  # noqa: E402
-from asyncckpt.integrations.huggingface import AsyncCkptTrainer  # noqa: E402
+from asyncckpt.errors import CheckpointError  # noqa: E402
+from asyncckpt.integrations.huggingface import STATE_DIR, AsyncCkptTrainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
+
+# What upstream's _save_checkpoint writes for this model with save_safetensors (the default), with the
+# optimizer.pt/scheduler.pt/rng_state.pth it would add replaced by asyncckpt/.
+CHECKPOINT_FILES = [
+    "asyncckpt",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "trainer_state.json",
+    "training_args.bin",
+]
 
 
 def _model() -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
-def _data() -> list[dict[str, torch.Tensor]]:
-    tokens = torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(0))
+def _data(rows: int = 48) -> list[dict[str, torch.Tensor]]:
+    tokens = torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(0))
     return [{"input_ids": row, "labels": row} for row in tokens]
 
 
-def _trainer(out: Path, max_steps: int = 6) -> AsyncCkptTrainer:
-    args = transformers.TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=3,
+def _args(out: Path, max_steps: int = 6, **kwargs: Any) -> Any:
+    return transformers.TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=3,
                                           per_device_train_batch_size=4, report_to=[], use_cpu=True, seed=0,
-                                          logging_steps=100, disable_tqdm=True)  # fmt: skip
-    return AsyncCkptTrainer(model=_model(), args=args, train_dataset=_data(), asyncckpt_options={"codec": "zstd"})
+                                          logging_steps=100, disable_tqdm=True, **kwargs)  # fmt: skip
 
 
-def test_trainer_saves_through_asyncckpt_and_resumes_exactly(tmp_path: Path) -> None:
+def _trainer(out: Path, max_steps: int = 6, cls: type = AsyncCkptTrainer, **kwargs: Any) -> AsyncCkptTrainer:
+    return cls(model=_model(), args=_args(out, max_steps, **kwargs), train_dataset=_data(),
+               asyncckpt_options={"codec": "zstd"})  # fmt: skip
+
+
+def test_checkpoint_is_a_complete_hf_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
     straight = _trainer(tmp_path / "a")
     straight.train()
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["checkpoint-3", "checkpoint-6"]
     checkpoint = tmp_path / "a" / "checkpoint-3"
-    # No torch.save files: model, optimizer, scheduler and RNG states are one asyncckpt checkpoint, committed
-    # atomically together with the Trainer's own JSON state.
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["data-0.bin", "manifest.json", "trainer_state.json"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == CHECKPOINT_FILES
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 3
-    asyncckpt.verify(checkpoint)
-    saved = asyncckpt.load(checkpoint)
-    assert set(saved) == {"model", "optimizer", "scheduler", "rng"}
+    asyncckpt.verify(checkpoint / STATE_DIR)
+    saved = asyncckpt.load(checkpoint / STATE_DIR)
+    assert set(saved) == {"optimizer", "scheduler", "rng"}  # the model is in model.safetensors, once
+    assert saved["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0
+
+    # from_pretrained reads checkpoint-6 (tied lm_head included) as the model the run ended with.
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "a" / "checkpoint-6")
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
 
     resumed = _trainer(tmp_path / "b")
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6
+    assert resumed._asyncckpt_resumed is not None and resumed._asyncckpt_resumed["_path"] == str(checkpoint)
     for key, value in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[key], value), f"{key}: the resumed run diverged"
 
     latest = _trainer(tmp_path / "a", max_steps=6)
-    latest.train(resume_from_checkpoint=True)  # get_last_checkpoint finds the asyncckpt checkpoint-6
+    latest.train(resume_from_checkpoint=True)  # get_last_checkpoint finds checkpoint-6
     assert latest._asyncckpt_resumed is not None
     assert latest._asyncckpt_resumed["_path"] == str(tmp_path / "a" / "checkpoint-6")
     for trainer in (straight, resumed, latest):
         trainer.close_checkpointer()
+
+
+def test_uncommitted_training_state_refuses_to_resume(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path / "a", max_steps=3)
+    trainer.train()
+    trainer.close_checkpointer()
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    # What a process killed mid-write leaves: the model files and a temporary directory, no committed asyncckpt/.
+    (checkpoint / STATE_DIR).rename(checkpoint / ".tmp-step-0000000001-host-1-abcdef12")
+    again = _trainer(tmp_path / "b", max_steps=6)
+    with pytest.raises(CheckpointError, match="never committed"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+    again.close_checkpointer()
+
+
+class _FirstEvalBest:
+    """compute_metrics whose first evaluation is the best one: the best checkpoint is not the last."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, _prediction: Any) -> dict[str, float]:
+        self.calls += 1
+        return {"score": 1.0 if self.calls == 1 else 0.0}
+
+
+def test_load_best_model_at_end_and_rotation_keep_the_best(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    metrics = _FirstEvalBest()
+    args = _args(tmp_path / "a", max_steps=9, eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
+                 metric_for_best_model="score", greater_is_better=True, save_total_limit=2,
+                 per_device_eval_batch_size=4)  # fmt: skip
+    trainer = AsyncCkptTrainer(model=_model(), args=args, train_dataset=_data(), eval_dataset=_data(8),
+                               compute_metrics=metrics, asyncckpt_options={"codec": "zstd"})  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    trainer.close_checkpointer()
+    assert metrics.calls == 3
+    assert "Could not locate the best model" not in caplog.text
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "a" / "checkpoint-3")
+    # save_total_limit=2 keeps the newest and the best, and deletes checkpoint-6 between them.
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["checkpoint-3", "checkpoint-9"]
+    best = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "a" / "checkpoint-3").state_dict()
+    last = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "a" / "checkpoint-9").state_dict()
+    weight = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(best[weight], last[weight])
+    for key, value in trainer.model.state_dict().items():  # the model in memory is the best one, not the last
+        assert torch.equal(best[key], value), key
+
+
+class _RecordingPush(AsyncCkptTrainer):
+    """Records what upstream's push step is called with, and what the folder holds then; uploads nothing."""
+
+    pushed: list[tuple[str, list[str], bool]]
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        folder = Path(checkpoint_folder)
+        self.pushed.append((folder.name, sorted(p.name for p in folder.iterdir()),
+                            asyncckpt.verify(folder / STATE_DIR).tensors > 0 if (folder / STATE_DIR).is_dir()
+                            else False))  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_hub_push_gets_the_files_upstream_uploads(tmp_path: Path, strategy: str) -> None:
+    from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME
+
+    trainer = _trainer(tmp_path / "a", cls=_RecordingPush, hub_strategy=strategy)
+    trainer.pushed = []
+    # Set after construction: Trainer.__init__ with push_to_hub=True creates the Hub repository (network).
+    trainer.args.push_to_hub = True
+    trainer.train()
+    trainer.close_checkpointer()
+    assert [name for name, _, _ in trainer.pushed] == ["checkpoint-3", "checkpoint-6"]
+    for _name, files, committed in trainer.pushed:
+        assert {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME} <= set(files)  # what upstream copies
+        if strategy == "checkpoint":  # the whole folder is uploaded: its training state is committed first
+            assert files == CHECKPOINT_FILES and committed

@@ -1,40 +1,57 @@
-"""A Hugging Face ``Trainer`` whose checkpoints are saved asynchronously by asyncckpt.
+"""A Hugging Face ``Trainer`` whose optimizer, scheduler and RNG states are saved asynchronously by asyncckpt.
 
 ::
 
     from asyncckpt.integrations.huggingface import AsyncCkptTrainer
 
     trainer = AsyncCkptTrainer(model=model, args=args, train_dataset=data, asyncckpt_options={"codec": "zstd"})
-    trainer.train()                                  # checkpoint-N/ written in the background
+    trainer.train()                                  # checkpoint-N/ written, its training state in the background
     trainer.train(resume_from_checkpoint=True)       # resumes from the latest checkpoint-N/
+    AutoModelForCausalLM.from_pretrained("out/checkpoint-N")                  # as with any Trainer checkpoint
+
+What ``checkpoint-N/`` holds: what upstream's ``Trainer._save_checkpoint`` writes, with one
+asyncckpt checkpoint in place of ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` and
+``rng_state.pth``:
+
+* the model, written by upstream's ``Trainer.save_model`` (``config.json``, ``model.safetensors``
+  or its shards, ``generation_config.json``, the processing class' files), synchronously on the
+  training thread as upstream does: ``from_pretrained``, ``load_best_model_at_end`` and Hub
+  pushes read exactly these files;
+* ``trainer_state.json``, written by upstream's ``TrainerState.save_to_json``;
+* ``asyncckpt/`` (:data:`STATE_DIR`): ``manifest.json`` + data file holding the optimizer,
+  scheduler, gradient scaler and RNG states, snapshotted before ``_save_checkpoint`` returns and
+  committed atomically by asyncckpt's worker thread while training goes on. A checkpoint whose
+  ``asyncckpt/`` was never committed (the process died first) refuses to resume, naming it.
+
+The trade-off: the model weights (a third of an AdamW state in FP32) are written synchronously,
+as upstream writes them, because ``from_pretrained`` and the Hub need them as safetensors; the
+rest of the state (two thirds) is taken off the training loop.
 
 Why a subclass and not a callback: ``TrainerCallback.on_save`` runs *after* the Trainer has
-already written everything synchronously (``save_pretrained``, ``torch.save`` of the optimizer,
-scheduler and RNG states); a callback can neither skip nor replace that. So this class overrides
-the Trainer's checkpoint methods — ``_save_checkpoint``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_rng_state`` — which are private API: the trade-off is
-that a new ``transformers`` release may rename them (this is tested with transformers 5.x), in
-exchange for taking the whole save off the training loop. Use :class:`AsyncCkptTrainerMixin` to add
-it to another Trainer subclass (``class MyTrainer(AsyncCkptTrainerMixin, SFTTrainer)``).
+already written everything synchronously; a callback can neither skip nor replace that. So this
+class overrides the Trainer's private ``_save_checkpoint``, ``_load_optimizer_and_scheduler``,
+``_load_rng_state`` and ``_load_best_model``; a new ``transformers`` release may rename them. The
+floor is transformers 4.50 (the first with ``TrainerState.best_global_step``, which
+``_save_checkpoint`` follows as upstream does); the tests ran under 4.50.0 and the newest release
+(``docs/distributed.md`` says how). Use :class:`AsyncCkptTrainerMixin` to add it to another
+Trainer subclass (``class MyTrainer(AsyncCkptTrainerMixin, SFTTrainer)``).
 
-What ``checkpoint-N/`` holds: one asyncckpt checkpoint (``manifest.json`` + data file) with the
-model's state dict, the optimizer, scheduler, gradient scaler and RNG states, plus
-``trainer_state.json`` — all committed atomically, after the snapshot is taken and training has
-moved on. ``resume_from_checkpoint`` accepts these and ordinary Trainer checkpoints alike.
-``trainer.save_model()`` (the final export for ``from_pretrained``/the Hub) is unchanged and
-synchronous. Rotation (``save_total_limit``) counts only committed checkpoints, so up to
-``max_inflight`` more may exist for a moment. With several processes (DDP) the main process saves
-the (replicated) state; other processes' RNG states are not saved.
+Hub pushes (``push_to_hub=True``) call upstream's ``_push_from_checkpoint``: with
+``hub_strategy`` ``"every_save"``/``"end"`` right away (it uploads only the model files, already
+written), with ``"checkpoint"``/``"all_checkpoints"`` (which upload the whole folder) only after
+``asyncckpt/`` is committed, so that save waits for its training state to be durable.
+Rotation (``save_total_limit``) waits for a save still in flight to a checkpoint it deletes. With
+several processes (DDP) the main process saves the (replicated) state; other processes' RNG
+states are not saved.
 
-Threads: everything here runs on the training thread; writing runs on asyncckpt's worker thread.
+Threads: everything here runs on the training thread; asyncckpt's worker thread writes ``asyncckpt/``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +60,33 @@ import torch
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..errors import CheckpointError
 from ..loader import load
 from ..manifest import MANIFEST_NAME
-from ._targeted import TargetedCheckpointer
+from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
 
-__all__ = ["AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
+__all__ = ["STATE_DIR", "AsyncCkptTrainer", "AsyncCkptTrainerMixin", "is_asyncckpt_checkpoint"]
+
+STATE_DIR = "asyncckpt"
+"""The subdirectory of ``checkpoint-N/`` holding the asyncckpt checkpoint of the training state."""
+
+_HUB_FOLDER_STRATEGIES = ("checkpoint", "all_checkpoints")  # upload the checkpoint folder itself
 
 
 def is_asyncckpt_checkpoint(path: str | os.PathLike[str] | None) -> bool:
-    return path is not None and (Path(path) / MANIFEST_NAME).is_file()
+    """True when ``path`` is a ``checkpoint-N/`` whose asyncckpt training state is committed."""
+    return path is not None and (Path(path) / STATE_DIR / MANIFEST_NAME).is_file()
+
+
+def _uncommitted(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds an asyncckpt save that never committed (its temporary directory)."""
+    return any(p.name.startswith(".tmp-") for p in Path(path).iterdir()) if Path(path).is_dir() else False
 
 
 class AsyncCkptTrainerMixin:
-    """Trainer mixin: checkpoints through asyncckpt (see the module docstring).
+    """Trainer mixin: the training state through asyncckpt (see the module docstring).
 
     Args:
         asyncckpt_options: :class:`~asyncckpt.CheckpointOptions` fields (``codec``, ``max_inflight``,
@@ -90,67 +119,113 @@ class AsyncCkptTrainerMixin:
         if checkpointer is not None:
             checkpointer.close()
 
-    # -- saving -------------------------------------------------------------------------------------
+    # -- saving: upstream's Trainer._save_checkpoint, step for step, with the training state in asyncckpt/ ------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         trainer: Any = self
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
         run_dir = trainer._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+        trainer.save_model(output_dir, _internal_call=True)
         if trainer.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.best_global_step}")
-            if os.path.exists(best) or best == output_dir:
+            if os.path.exists(best):
                 trainer.state.best_model_checkpoint = best
-        for callback in [*trainer.callback_handler.callbacks, trainer.control]:
-            if isinstance(callback, ExportableState):  # as Trainer._save_checkpoint does
-                name = type(callback).__name__
-                if isinstance(trainer.state.stateful_callbacks[name], list):
-                    trainer.state.stateful_callbacks[name].append(callback.state())
-                else:
-                    trainer.state.stateful_callbacks[name] = callback.state()
-        if not trainer.args.should_save:
-            return
-        state: dict[str, Any] = {"model": trainer.accelerator.unwrap_model(model).state_dict()}
-        if not trainer.args.save_only_model:
-            state["optimizer"] = trainer.optimizer.state_dict()
-            if trainer.lr_scheduler is not None:
-                state["scheduler"] = trainer.lr_scheduler.state_dict()
-            scaler = getattr(trainer.accelerator, "scaler", None)
-            if scaler is not None:
-                state["scaler"] = scaler.state_dict()
-            state["rng"] = _rng_state()
-        # The same JSON TrainerState.save_to_json writes, taken now (at the snapshot), committed with the tensors.
-        trainer_state = (json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n").encode()
-        self.checkpointer.save_to(output_dir, state, files={TRAINER_STATE_NAME: trainer_state},
-                                  metadata={"huggingface": {"global_step": trainer.state.global_step}})  # fmt: skip
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+        handle = None
+        if trainer.args.should_save and not trainer.args.save_only_model:
+            state = self._training_state()
+            # Under a name asyncckpt commits atomically; a re-save of the same step replaces it whole.
+            metadata = {"huggingface": {"global_step": trainer.state.global_step}}
+            handle = self.checkpointer.save_to(os.path.join(output_dir, STATE_DIR), state, metadata=metadata)
+        if trainer.args.should_save:
+            for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+                if isinstance(callback, ExportableState):  # as Trainer._save_checkpoint does
+                    name = type(callback).__name__
+                    if isinstance(trainer.state.stateful_callbacks[name], list):
+                        trainer.state.stateful_callbacks[name].append(callback.state())
+                    else:
+                        trainer.state.stateful_callbacks[name] = callback.state()
+            trainer.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+        if trainer.args.push_to_hub:
+            strategy = getattr(trainer.args.hub_strategy, "value", trainer.args.hub_strategy)
+            if handle is not None and strategy in _HUB_FOLDER_STRATEGIES:
+                handle.result()  # the folder upload must see a committed asyncckpt/, not its temporary
+            trainer._push_from_checkpoint(output_dir)
+        if trainer.args.should_save:
+            self._rotate(run_dir)
 
-    # -- resuming -----------------------------------------------------------------------------------
-    def _resumed(self, checkpoint: str) -> dict[str, Any]:
+    def _training_state(self) -> dict[str, Any]:
+        """Optimizer, scheduler, scaler and RNG states: upstream's optimizer.pt/scheduler.pt/scaler.pt/rng_state.pth."""
+        trainer: Any = self
+        state: dict[str, Any] = {"optimizer": trainer.optimizer.state_dict()}
+        if trainer.lr_scheduler is not None:
+            state["scheduler"] = trainer.lr_scheduler.state_dict()
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        state["rng"] = _rng_state()
+        return state
+
+    def _rotate(self, run_dir: str) -> None:
+        """Keep ``save_total_limit`` checkpoints: the newest and the best always (as upstream's rotation)."""
+        trainer: Any = self
+        limit = trainer.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        pattern = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+        found = [(int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+        checkpoints = [p for _, p in sorted(found)]
+        protected = set(checkpoints[-1:])
+        if trainer.state.best_model_checkpoint is not None:
+            protected.add(Path(trainer.state.best_model_checkpoint))
+        excess = len(checkpoints) - max(limit, len(protected))
+        for path in checkpoints:
+            if excess <= 0:
+                break
+            if path in protected:
+                continue
+            if self._asyncckpt is not None:
+                self._asyncckpt.wait_for(path / STATE_DIR)  # never delete under a save still in flight
+            remove_checkpoint_dir(path)
+            excess -= 1
+
+    def _load_best_model(self) -> None:
+        # Upstream deletes every checkpoint but the best right after this (save_total_limit=1): finish writing first.
         if self._asyncckpt is not None:
-            self._asyncckpt.wait_for(checkpoint)
+            self._asyncckpt.wait()
+        super()._load_best_model()  # type: ignore[misc]
+
+    # -- resuming: the model comes from upstream's files (upstream _load_from_checkpoint), the rest from asyncckpt/
+    def _resumed(self, checkpoint: str) -> dict[str, Any]:
         if self._asyncckpt_resumed is None or self._asyncckpt_resumed.get("_path") != str(checkpoint):
-            state = load(checkpoint, map_location="cpu")
-            if not isinstance(state, dict) or "model" not in state:
-                raise TypeError(f"{checkpoint}: not a checkpoint written by AsyncCkptTrainer")
+            state = load(Path(checkpoint) / STATE_DIR, map_location="cpu")
+            if not isinstance(state, dict) or "optimizer" not in state:
+                raise CheckpointError(f"{checkpoint}/{STATE_DIR}: not a training state written by AsyncCkptTrainer")
             self._asyncckpt_resumed = {**state, "_path": str(checkpoint)}
         return self._asyncckpt_resumed
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        if not is_asyncckpt_checkpoint(resume_from_checkpoint):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
-        target = model if model is not None else self.model  # type: ignore[attr-defined]
-        target.load_state_dict(self._resumed(resume_from_checkpoint)["model"])
+    def _committed(self, checkpoint: str | None) -> bool:
+        """Whether ``checkpoint`` has an asyncckpt training state; raises if its save never committed."""
+        if checkpoint is None:
+            return False
+        if self._asyncckpt is not None:
+            self._asyncckpt.wait_for(Path(checkpoint) / STATE_DIR)
+        if is_asyncckpt_checkpoint(checkpoint):
+            return True
+        if _uncommitted(checkpoint):
+            raise CheckpointError(
+                f"{checkpoint}: its optimizer/scheduler/RNG state (asyncckpt/) was never committed (the process "
+                "stopped while it was being written); resume from the checkpoint before it, or delete this one"
+            )
+        return False
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not is_asyncckpt_checkpoint(checkpoint):
+        if not self._committed(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         assert checkpoint is not None
         state = self._resumed(checkpoint)
         trainer: Any = self
-        if "optimizer" in state:
-            trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state and trainer.lr_scheduler is not None:
             trainer.lr_scheduler.load_state_dict(state["scheduler"])
         scaler = getattr(trainer.accelerator, "scaler", None)
@@ -158,7 +233,7 @@ class AsyncCkptTrainerMixin:
             scaler.load_state_dict(state["scaler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not is_asyncckpt_checkpoint(checkpoint):
+        if not self._committed(checkpoint):
             return super()._load_rng_state(checkpoint)  # type: ignore[misc]
         assert checkpoint is not None
         rng = self._resumed(checkpoint).get("rng")
