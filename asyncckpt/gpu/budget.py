@@ -8,7 +8,7 @@ The compressor never holds more GPU memory than ``scratch_bytes``: it compresses
 groups of ``group_bytes`` of consecutive tensors, two groups in flight (one encoding while the
 previous one is resolved), each costing at most :data:`SCRATCH_PER_RAW_BYTE` times its raw size
 (nvCOMP's outputs for every ``auto`` candidate, a byte-plane copy, the packed result, an upload
-buffer). Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to
+buffer, allocator slack). Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to
 pinned host memory (:mod:`asyncckpt.gpu.pinned_pool`), bounded by the host staging budget.
 
 Modes:
@@ -30,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCRATCH_PER_RAW_BYTE = 6
-"""GPU scratch per raw byte of a group in flight: up to three ``auto`` candidates' outputs, a
-byte-plane copy, the packed result and an upload buffer for host-staged tensors."""
+SCRATCH_PER_RAW_BYTE = 8
+"""GPU scratch per raw byte of a group in flight: up to three ``auto`` candidates' outputs (each
+bounded a little above the raw size), a byte-plane copy, the packed result, an upload buffer for
+host-staged tensors, and slack for PyTorch's caching allocator, which keeps freed blocks."""
 GROUPS_IN_FLIGHT = 2
 MIN_GROUP_BYTES = 16 << 20
 """Below this, per-call overheads dominate (~0.6 ms host time per nvCOMP call)."""

@@ -70,6 +70,8 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._free: list[PinnedBlock] = []
         self._allocated_bytes = 0
+        self.pinned_bytes_total = 0
+        """Bytes pinned over the pool's life (a save that reuses blocks adds nothing)."""
         self._reserving: threading.Thread | None = None
 
     @property
@@ -101,6 +103,7 @@ class PinnedPool:
                 if self._allocated_bytes + size > self.budget_bytes:
                     return None
             self._allocated_bytes += size  # counted before pinning, outside the lock
+            self.pinned_bytes_total += size
         try:
             return self._allocate(size)
         except BaseException:
