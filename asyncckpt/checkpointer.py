@@ -32,8 +32,8 @@ from typing import Any
 from .backend import build_backend
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
-from .layout import checkpoint_name, remove_stale_temporaries
-from .observer import NullObserver, SaveObserver
+from .layout import MAX_STEP, checkpoint_name, remove_stale_temporaries
+from .observer import GuardedObserver, NullObserver, SaveObserver
 from .options import resolve_options
 from .persist import SaveJob, persist
 from .result import SaveResult
@@ -66,11 +66,19 @@ class AsyncCheckpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in remove_stale_temporaries(self.directory):
             log.info("asyncckpt: removed %s, left by a process that died mid-save", stale)
-        self._observer = observer if observer is not None else _default_observer(self.options, registry)
+        self._observer = GuardedObserver(
+            observer if observer is not None else _default_observer(self.options, registry)
+        )
         self._backend = build_backend(self.options)
         self._slots = threading.BoundedSemaphore(self.options.max_inflight)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        # Notified when a save() leaves; close() waits on it for saves already past their checks.
+        self._left = threading.Condition(self._lock)
+        self._entered = 0
+        """save() calls past their checks and not yet queued or refused (close() waits for them)."""
+        self._reserved: set[int] = set()
+        """Steps a save() is staging now, so a concurrent save() of the same step is refused at once."""
         self._inflight: dict[int, SaveHandle] = {}
         self._unreported: SaveFailedError | None = None
         self._closed = False
@@ -89,6 +97,9 @@ class AsyncCheckpointer:
         Returns once the snapshot is staged (``handle.staged``): the caller may then mutate
         its tensors. Blocks only to wait for an in-flight slot (``max_inflight``), and that
         wait counts as stall. Runs on the training thread; no compression or I/O happens here.
+        Thread-safe: a save() that returns a handle is always persisted (a concurrent
+        :meth:`close` waits for it), and of two concurrent saves of one step the second is
+        refused at once.
 
         Raises:
             TypeError: the state holds an object asyncckpt cannot store (names its key path),
@@ -98,15 +109,37 @@ class AsyncCheckpointer:
         """
         started = time.perf_counter()
         self._check_usable()
-        if type(step) is not int or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise CheckpointError(f"step must be a non-negative int of at most 2**62 (what list_checkpoints() and "
+                                  f"load() read back), got {step!r}")  # fmt: skip
         metadata = _checked_metadata(metadata)
         flat = flatten(state)
+        self._enter(step)
+        try:
+            return self._stage_and_queue(step, flat, metadata, started)
+        finally:
+            self._leave(step)
+
+    def _enter(self, step: int) -> None:
+        """Claim ``step`` for this save() call, or raise. Training thread (any thread calling save())."""
         with self._lock:
-            if step in self._inflight or (self.directory / checkpoint_name(step)).exists():
-                raise CheckpointError(
-                    f"step {step} is already saved or being saved in {self.directory}; use a new step number"
-                )
+            if self._closed:
+                raise CheckpointError("this AsyncCheckpointer is closed")
+            if step in self._reserved or step in self._inflight:
+                raise CheckpointError(f"step {step} is being saved in {self.directory} (by this or another "
+                                      "thread); use a new step number")  # fmt: skip
+            if os.path.lexists(self.directory / checkpoint_name(step)):
+                raise CheckpointError(f"step {step} is already saved in {self.directory}; use a new step number")
+            self._reserved.add(step)
+            self._entered += 1
+
+    def _leave(self, step: int) -> None:
+        with self._lock:
+            self._reserved.discard(step)
+            self._entered -= 1
+            self._left.notify_all()
+
+    def _stage_and_queue(self, step: int, flat: Any, metadata: dict[str, Any], started: float) -> SaveHandle:
         if self.options.when_busy == "skip":
             if not self._slots.acquire(blocking=False):
                 self._observer.save_skipped()
@@ -140,7 +173,7 @@ class AsyncCheckpointer:
             inflight = len(self._inflight)
         # Report before queueing, so this save's staged event always precedes its finished/failed one.
         self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
-        self._jobs.put((job, handle))
+        self._jobs.put((job, handle))  # before _leave(): close() queues its stop only after this
         return handle
 
     def preallocate(self, state: object) -> threading.Thread:
@@ -166,15 +199,28 @@ class AsyncCheckpointer:
         self._raise_unreported()
 
     def close(self) -> None:
-        """Finish in-flight saves, stop the worker, and raise the first unreported failure. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Finish in-flight saves, stop the worker, and raise the first unreported failure. Idempotent.
+
+        Any thread. A save() running on another thread meanwhile either is persisted before the
+        worker stops (it was past its checks) or raises ``CheckpointError`` (closed): no handle
+        is left that never completes.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._entered:  # saves past their checks: let them queue their job first
+                self._left.wait()
         atexit.unregister(self._atexit)  # no-op when the hook went to threading's exit hooks
         self._jobs.put(_STOP)
         self._worker.join()
         self._backend.close()
         self._raise_unreported()
+
+    @property
+    def observer_errors(self) -> int:
+        """How many times an observer hook raised (each is logged; the save itself went on)."""
+        return self._observer.errors
 
     @property
     def inflight(self) -> int:

@@ -10,9 +10,9 @@ took 476 us, :func:`capture` 239 us.
 
 :func:`capture` takes only the common case: exact ``dict``/``OrderedDict``/``list``/``tuple``
 containers with ``str``/``int`` keys, exact ``int``/``float``/``str``/``bool``/``None``
-scalars (ints inside +-2**64), and storable non-empty strided CPU/CUDA tensors with memory, not
-nested near :data:`MAX_DEPTH`. Anything
-else raises :class:`Unusual`, and ``flatten`` runs the full walk, which stores the other types
+scalars (ints inside +-2**64, strs of at most 4 KiB), and storable non-empty strided CPU/CUDA
+tensors with memory (not nested tensors), not nested near :data:`MAX_DEPTH`. Anything else
+raises :class:`Unusual`, and ``flatten`` runs the full walk, which stores the other types
 and names the key path of anything it refuses. Both walks give the same skeleton, keys and
 leaves (``tests/test_frame.py`` compares them).
 
@@ -43,6 +43,9 @@ than 4,300 digits, and the manifest holds ints as JSON numbers."""
 
 _FAST_INT = 1 << 64
 """:func:`capture` takes ints strictly inside +-2**64; wider ones go to the full walk, which checks them."""
+
+_LONG_STR = 4096
+"""Longer str values go to the full walk, which counts the text a manifest can hold."""
 
 
 class Unusual(Exception):
@@ -98,7 +101,7 @@ def alias_index(t: torch.Tensor, ptr: int, first: int, seen: torch.Tensor,
 def capture(state: object) -> Frame:
     """Copy the containers of ``state`` and collect its distinct tensors. Training thread.
 
-    Reads each tensor's layout, dtype, device kind, element count, data pointer and
+    Reads each tensor's layout, dtype, device kind, nestedness, element count, data pointer and
     requires_grad once, and nothing else: what aliasing and the storable check need.
 
     Raises:
@@ -109,8 +112,8 @@ def capture(state: object) -> Frame:
     index_by_alias: dict[tuple[object, ...], int] = {}
     index_of: dict[int, int] = {}
     # Locals, not globals or attribute lookups, in the loops below.
-    tensor_type, strided, ordered_dict, known_dtypes, scalars, wide = (
-        torch.Tensor, torch.strided, OrderedDict, NAME_BY_DTYPE, _SCALARS, _FAST_INT
+    tensor_type, strided, ordered_dict, known_dtypes, scalars, wide, long_str = (
+        torch.Tensor, torch.strided, OrderedDict, NAME_BY_DTYPE, _SCALARS, _FAST_INT, _LONG_STR
     )  # fmt: skip
 
     def append(t: torch.Tensor) -> int:
@@ -120,7 +123,8 @@ def capture(state: object) -> Frame:
     def tensor_index(t: torch.Tensor) -> int:
         # Empty tensors are never aliased, so one empty tensor object met twice is two leaves,
         # which ``index_of`` (one index per object) cannot say: the full walk takes them.
-        if not (t.layout is strided and t.dtype in known_dtypes and (t.is_cuda or t.is_cpu) and t.numel()):
+        if not (t.layout is strided and t.dtype in known_dtypes and (t.is_cuda or t.is_cpu) and not t.is_nested
+                and t.numel()):  # fmt: skip
             raise Unusual
         if not (ptr := t.data_ptr()):  # freed storage: the full walk refuses it by name
             raise Unusual
@@ -149,6 +153,7 @@ def capture(state: object) -> Frame:
                         value.layout is strided
                         and value.dtype in known_dtypes
                         and (value.is_cuda or value.is_cpu)
+                        and not value.is_nested
                         and value.numel()
                         and (ptr := value.data_ptr())
                         and ptr not in index_by_ptr
@@ -160,6 +165,8 @@ def capture(state: object) -> Frame:
                     add(value)
                 elif type(value) in scalars:
                     if type(value) is int and not -wide < value < wide:
+                        raise Unusual
+                    if type(value) is str and len(value) > long_str:
                         raise Unusual
                     add(value)
                 else:
@@ -173,6 +180,8 @@ def capture(state: object) -> Frame:
                     items.append(value)
                 elif type(value) in scalars:
                     if type(value) is int and not -wide < value < wide:
+                        raise Unusual
+                    if type(value) is str and len(value) > long_str:
                         raise Unusual
                     items.append(value)
                 else:

@@ -33,6 +33,8 @@ from .manifest import MANIFEST_NAME, read_regular_file
 log = logging.getLogger("asyncckpt")
 
 LATEST_NAME = "latest"
+MAX_STEP = 1 << 62
+"""Largest step saved: the manifest reader's bound, and 19 digits, inside the ``step-*`` name pattern."""
 _CKPT_DIR = re.compile(r"step-(\d{10,20})")
 _TMP_DIR = re.compile(r"\.tmp-step-\d+-(?P<host>[^/]+)-(?P<pid>\d+)-[0-9a-f]+")
 

@@ -24,8 +24,9 @@ from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
 from .dtypes import dtype_name
+from .errors import CheckpointError
 from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
-from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Checksum, Manifest, TensorRecord
 from .result import SaveResult
 from .snapshot import Snapshot
 from .storage import Storage
@@ -178,7 +179,7 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
                             tensors=part.records, structure=job.skeleton, metadata=job.metadata,
                             io_mode=storage.io_mode)  # fmt: skip
-        write_durably(tmp / MANIFEST_NAME, manifest.to_json())
+        write_durably(tmp / MANIFEST_NAME, checked_manifest_json(manifest, final))
         if point_latest:
             commit(tmp, final)
         else:
@@ -196,6 +197,21 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         durable_seconds=time.perf_counter() - job.started,
         gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
+
+
+def checked_manifest_json(manifest: Manifest, final: Path) -> bytes:
+    """The manifest's JSON, or an error if load() would refuse its size. Worker thread.
+
+    ``save()`` refuses states whose str and bytes values alone are too large; this catches the
+    rest (e.g. millions of tensors) before anything is committed.
+    """
+    data = manifest.to_json()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"{final}: the manifest would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} load() "
+            "accepts; not committed. Store fewer, larger tensors, or large str/bytes values as uint8 tensors"
+        )
+    return data
 
 
 def write_durably(path: Path, data: bytes) -> None:

@@ -4,8 +4,10 @@ The skeleton is how a manifest records "the non-tensor structure of the state" w
 pickle: every node is a small JSON object tagged with its Python type, so loading can
 rebuild exactly the containers and scalars that were saved (int keys stay ints, tuples
 stay tuples, ``nan`` stays ``nan``) and can never construct any other type. Subclasses of
-``int``, ``float``, ``str`` and ``bytes`` (an ``IntEnum`` member, a ``bytearray``) are stored
-as their base value and load as the base type, since loading never constructs a user class;
+``int``, ``float``, ``str`` and ``bytes`` (an ``IntEnum`` member, a ``str``-mixin ``Enum`` member
+such as Hugging Face's ``ExplicitEnum``, a ``bytearray``) are stored as their base value (``1``,
+``'red'``, never ``'Color.RED'``), as values and as dict keys alike, and load as the base type,
+since loading never constructs a user class;
 container subclasses (namedtuples, ``defaultdict``) are refused, because they would load as
 another kind of container.
 
@@ -39,6 +41,7 @@ import torch
 from .dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
 from .errors import CorruptCheckpointError
 from .frame import MAX_DEPTH, MAX_INT_BITS, Frame, Unusual, alias_index, capture
+from .manifest import MAX_MANIFEST_BYTES
 
 __all__ = ["MAX_DEPTH", "FlatState", "TensorLeaf", "flatten", "unflatten"]
 
@@ -107,7 +110,16 @@ class FlatState:
 
 
 def _key_label(key: object) -> str:
-    return str(key) if isinstance(key, (str, int, bool, float)) or key is None else repr(key)
+    """A key's label in key paths: the base value's text, so an Enum key reads as its value."""
+    if isinstance(key, bool) or key is None:
+        return str(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        return float.__repr__(key)
+    if isinstance(key, str):
+        return str.__str__(key)
+    return repr(key)
 
 
 def _join(prefix: str, label: str) -> str:
@@ -158,6 +170,9 @@ def _walk(state: object) -> FlatState:
         TypeError: for any object asyncckpt cannot store, naming its key path and type.
     """
     tensors: list[TensorLeaf] = []
+    # JSON characters the str and bytes values will take in the manifest (a lower bound for str:
+    # escapes only add), so a state whose manifest load() would refuse is refused here instead.
+    text_bytes = 0
     # Alias detection in two steps, because the full key (data pointer, device kind, dtype,
     # shape, stride) costs three more attribute reads and two tuples per tensor while nearly
     # every tensor has an address of its own. ``index_by_ptr`` holds the first leaf at each
@@ -170,10 +185,11 @@ def _walk(state: object) -> FlatState:
     )  # fmt: skip
 
     def visit(obj: object, where: str, depth: int) -> dict[str, Any]:
+        # Before the tensor case: unflatten() refuses any node deeper than MAX_DEPTH, tensors included.
+        if depth > MAX_DEPTH:
+            raise TypeError(too_deep(where))
         if isinstance(obj, tensor_type):
             return {"t": "tensor", "id": tensor_id(obj, where)}
-        if depth > MAX_DEPTH:
-            raise TypeError(f"asyncckpt: state is nested deeper than {MAX_DEPTH} levels at {where or '<root>'!r}")
         kind = type(obj)
         if kind is int:  # ahead of the isinstance chain: optimizer param_groups list one per parameter
             return {"t": "int", "v": _storable_int(obj, where)}  # type: ignore[arg-type]
@@ -187,10 +203,13 @@ def _walk(state: object) -> FlatState:
         if isinstance(obj, float):
             return {"t": "float", "v": float(obj).hex()}
         if isinstance(obj, str):
-            return {"t": "str", "v": str(obj)}
+            value = str.__str__(obj)  # the value itself; str() of a (str, Enum) member is 'Color.RED'
+            count_text(len(value), where)
+            return {"t": "str", "v": value}
         if obj is None:
             return {"t": "none"}
         if isinstance(obj, (bytes, bytearray)):
+            count_text((len(obj) + 2) // 3 * 4, where)  # base64, checked before it is built
             return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, torch.dtype):
             name = dtype_name(obj)
@@ -209,13 +228,30 @@ def _walk(state: object) -> FlatState:
             return {"t": tag, "items": [visit(v, _join(where, str(i)), depth + 1) for i, v in enumerate(obj)]}
         raise TypeError(_unsupported(obj, where or "<root>"))
 
+    def too_deep(where: str) -> str:
+        return (f"asyncckpt: state is nested deeper than {MAX_DEPTH} levels at {where or '<root>'!r} (load() refuses "
+                "deeper structures); flatten that part of the state")  # fmt: skip
+
+    def count_text(size: int, where: str) -> None:
+        nonlocal text_bytes
+        text_bytes += size
+        if text_bytes > MAX_MANIFEST_BYTES:
+            raise TypeError(
+                f"asyncckpt: the str and bytes values of this state take more than {MAX_MANIFEST_BYTES >> 20} MiB in "
+                f"the manifest (passed at {where or '<root>'!r}), and load() refuses larger manifests; store large "
+                "binary data as a uint8 tensor (torch.frombuffer(data, dtype=torch.uint8)) instead"
+            )
+
     def visit_dict(obj: dict[Any, Any], ordered: bool, where: str, depth: int) -> dict[str, Any]:
+        if obj and depth >= MAX_DEPTH:  # its keys and values would lie deeper than MAX_DEPTH
+            raise TypeError(too_deep(where))
         items: list[list[dict[str, Any]]] = []
         append = items.append
         for key, value in obj.items():
             key_kind = type(key)
             # str and int keys (module and optimizer state dicts) take the short way.
             if key_kind is str:
+                count_text(len(key), where)
                 key_node, label = {"t": "str", "v": key}, key
             elif key_kind is int:
                 key_node, label = {"t": "int", "v": _storable_int(key, _join(where, "<key>"))}, str(key)
@@ -236,6 +272,7 @@ def _walk(state: object) -> FlatState:
                 and value.layout is strided
                 and value.dtype in known_dtypes
                 and (value.is_cuda or value.is_cpu)
+                and not value.is_nested
                 and value.numel()
                 and (ptr := value.data_ptr())
                 and ptr not in index_by_ptr
@@ -252,6 +289,9 @@ def _walk(state: object) -> FlatState:
         where = where or "<root>"
         if t.layout is not strided:
             raise TypeError(f"asyncckpt: cannot store {t.layout} tensor at {where!r}; convert it with .to_dense()")
+        if t.is_nested:  # strided layout, but no single shape: staging it fails only later
+            raise TypeError(f"asyncckpt: cannot store a nested tensor at {where!r}; store its components "
+                            "(list(t.unbind())) or a padded tensor (t.to_padded_tensor(0.0)) instead")  # fmt: skip
         dtype = t.dtype
         if dtype not in known_dtypes:  # quantized and bit-packed dtypes are not in the table
             raise TypeError(f"asyncckpt: cannot store a tensor of dtype {dtype} at {where!r}")

@@ -88,16 +88,21 @@ def test_refusals_name_the_key_path(state: object, message: str) -> None:
         flatten(state)
 
 
-def test_nesting_limit_applies_to_scalars_but_not_to_tensors() -> None:
+def test_nesting_limit_applies_to_tensors_and_keys_too() -> None:
     def nest(leaf: object, levels: int) -> object:
         for _ in range(levels):
             leaf = {"k": leaf}
         return leaf
 
-    assert flatten(nest(torch.ones(1), MAX_DEPTH + 1)).tensors[0].key == "/".join(["k"] * (MAX_DEPTH + 1))
+    # unflatten() refuses any node deeper than MAX_DEPTH, so flatten() refuses the same states.
+    assert flatten(nest(torch.ones(1), MAX_DEPTH)).tensors[0].key == "/".join(["k"] * MAX_DEPTH)
     flatten(nest(3, MAX_DEPTH))
-    with pytest.raises(TypeError, match="nested deeper than"):
-        flatten(nest(3, MAX_DEPTH + 1))
+    for leaf in (3, torch.ones(1), {}):
+        with pytest.raises(TypeError, match="nested deeper than 64 levels"):
+            flatten(nest(leaf, MAX_DEPTH + 1))
+    flatten(nest({}, MAX_DEPTH))  # an empty dict at depth 64 has no deeper node
+    with pytest.raises(TypeError, match="nested deeper than 64 levels"):
+        flatten(nest({(1,): 2}, MAX_DEPTH))  # a tuple key at depth 65
 
 
 def test_the_cyclic_collector_never_runs_inside_flatten_and_is_left_as_found() -> None:

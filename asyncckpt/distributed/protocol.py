@@ -43,7 +43,7 @@ from ..codecs import Encoder
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, commit, fsync_dir, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
+from ..persist import SaveJob, WrittenPart, checked_manifest_json, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -207,7 +207,7 @@ def _commit_as_rank0(job: SaveJob, root: Path, tmp: Path, storage: Storage, ctx:
         manifest = _combined_manifest(job, tmp, ctx, storage)
         for rank in ctx.writers:
             (tmp / part_file_name(rank)).unlink()
-        write_durably(tmp / MANIFEST_NAME, manifest.to_json())
+        write_durably(tmp / MANIFEST_NAME, checked_manifest_json(manifest, final))
         commit(tmp, final)
     except BaseException as exc:
         _abort(root, tmp, job.step, ctx, f"rank 0 could not commit: {type(exc).__name__}: {exc}")
