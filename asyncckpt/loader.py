@@ -13,21 +13,22 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import checksum
-from .codecs import get_decoder
+from .codecs import check_expansion, get_decoder
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CorruptCheckpointError
-from .layout import resolve_checkpoint
 from .manifest import Manifest, TensorRecord, read_manifest
 from .observer import notify_load_finished
-from .storage import BlobReader, PosixStorage, Storage
+from .resolve import Resolved, resolve_for_reading
+from .storage import BlobReader, PosixStorage, Storage, align_up
 from .tree import unflatten
 
 MapLocation = str | torch.device | None
@@ -42,6 +43,14 @@ class VerifyReport:
     tensors: int
     raw_bytes: int
     stored_bytes: int
+    format_version: int = 0
+    manifest_digest: str | None = None
+    """The manifest's SHA-256 that was checked, or None for a manifest of format 1 or 2, which has none."""
+
+    @property
+    def notes(self) -> list[str]:
+        """What was not checked, for a report (``["no manifest digest (format v1)"]``)."""
+        return [] if self.manifest_digest else [f"no manifest digest (format v{self.format_version})"]
 
 
 def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "latest",
@@ -60,16 +69,18 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
         CheckpointError: no such checkpoint; a device or codec this machine lacks.
     """
     began = time.perf_counter()
-    path = resolve_checkpoint(directory_or_checkpoint, step)
-    manifest = read_manifest(path)
-    tensors = load_tensors(path, manifest, map_location)
+    resolved = resolve_for_reading(directory_or_checkpoint, step)
+    path = resolved.path
+    with _naming_fallback(resolved):
+        manifest = read_manifest(path)
+        tensors = load_tensors(path, manifest, map_location)
 
-    def tensor_at(index: int) -> torch.Tensor:
-        if not 0 <= index < len(tensors):
-            raise CorruptCheckpointError(f"{path}: structure refers to tensor {index}, table has {len(tensors)}")
-        return tensors[index]
+        def tensor_at(index: int) -> torch.Tensor:
+            if not 0 <= index < len(tensors):
+                raise CorruptCheckpointError(f"{path}: structure refers to tensor {index}, table has {len(tensors)}")
+            return tensors[index]
 
-    state = unflatten(manifest.structure, tensor_at, str(path))
+        state = unflatten(manifest.structure, tensor_at, str(path))
     notify_load_finished(time.perf_counter() - began)  # for the asyncckpt_load_seconds metric
     return state
 
@@ -107,13 +118,32 @@ def _restores_on_gpu(manifest: Manifest, target: torch.device | None) -> bool:
 
 
 def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyReport:
-    """Check every blob's checksum and decodability and the structure; raise on the first problem."""
-    checkpoint = resolve_checkpoint(path, step)
-    manifest = read_manifest(checkpoint)
-    count = sum(1 for _ in _decoded_tensors(checkpoint, manifest))
-    unflatten(manifest.structure, _index_checker(count, checkpoint), str(checkpoint))
+    """Check the manifest's digest, every blob's checksum and decodability and the structure.
+
+    Rejects everything :func:`load` rejects on any machine (it does not need the devices the
+    tensors were saved from); raises on the first problem.
+    """
+    resolved = resolve_for_reading(path, step)
+    checkpoint = resolved.path
+    with _naming_fallback(resolved):
+        manifest = read_manifest(checkpoint)
+        count = sum(1 for _ in _decoded_tensors(checkpoint, manifest))
+        unflatten(manifest.structure, _index_checker(count, checkpoint), str(checkpoint))
     return VerifyReport(path=checkpoint, step=manifest.step, tensors=count, raw_bytes=manifest.raw_bytes,
-                        stored_bytes=manifest.stored_bytes)  # fmt: skip
+                        stored_bytes=manifest.stored_bytes, format_version=manifest.format_version,
+                        manifest_digest=manifest.digest)  # fmt: skip
+
+
+@contextmanager
+def _naming_fallback(resolved: Resolved) -> Iterator[None]:
+    """A corrupt checkpoint reached through ``latest`` is an error that names the step to load instead."""
+    try:
+        yield
+    except CorruptCheckpointError as exc:
+        context = resolved.context()
+        if not context:
+            raise
+        raise CorruptCheckpointError(f"{exc}{context}") from exc
 
 
 def _index_checker(count: int, path: Path) -> Callable[[int], torch.Tensor]:
@@ -132,13 +162,53 @@ def _data_file(checkpoint: Path, name: str) -> tuple[Path, int]:
         info = os.lstat(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{checkpoint}: data file {name!r} named in the manifest is missing") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot stat the data file: {exc}") from exc
     if not stat.S_ISREG(info.st_mode):
         raise CorruptCheckpointError(f"{checkpoint}: data file {name!r} is not a regular file")
     return path, info.st_size
 
 
+def check_layout(checkpoint: Path, records: list[TensorRecord]) -> dict[str, tuple[Path, int]]:
+    """Check where every blob lies before any is read; returns each data file's path and size.
+
+    Every blob must lie inside its file (:func:`check_within_file`), no two non-empty blobs may
+    share a byte (a writer never shares them, and 256 records of one blob would make a reader
+    decode it 256 times), and no chunk may claim more raw bytes than its codec can produce from
+    it (:func:`asyncckpt.codecs.check_expansion`). Together with the manifest's own checks this
+    bounds what a reader reads, allocates and decodes by the bytes the files really hold. Costs
+    one sort of the table. Runs on the calling thread.
+    """
+    files: dict[str, tuple[Path, int]] = {}
+    by_file: dict[str, list[TensorRecord]] = {}
+    for record in records:
+        where = tensor_where(checkpoint, record)
+        if record.file not in files:
+            files[record.file] = _data_file(checkpoint, record.file)
+        check_within_file(record, files[record.file][1], where)
+        check_expansion(record.codec, record.chunks, where)
+        if record.stored_bytes:
+            by_file.setdefault(record.file, []).append(record)
+    for blobs in by_file.values():
+        blobs.sort(key=lambda r: r.offset)
+        for before, after in pairwise(blobs):
+            if after.offset < before.offset + before.stored_bytes:
+                raise CorruptCheckpointError(
+                    f"{tensor_where(checkpoint, after)}: blob at offset {after.offset} overlaps the blob of "
+                    f"{before.key!r} at offset {before.offset} ({before.stored_bytes} bytes); the manifest is corrupt"
+                )
+    return files
+
+
 def check_within_file(record: TensorRecord, file_bytes: int, where: str) -> None:
-    """Raise CorruptCheckpointError if ``record``'s blob does not lie inside its data file."""
+    """Raise CorruptCheckpointError if ``record``'s blob does not lie inside its data file.
+
+    A blob of 0 bytes (an empty tensor stored raw) lies inside its file at any offset up to the
+    file's end rounded up to the 4096-byte alignment: a writer places it at the next aligned
+    offset, which is past the end when it is the file's last blob, and no byte of it is read.
+    """
+    if record.stored_bytes == 0 and record.offset <= align_up(file_bytes):
+        return
     if record.offset + record.stored_bytes > file_bytes:
         raise CorruptCheckpointError(
             f"{where}: blob at offset {record.offset} of {record.stored_bytes} bytes extends past the end "
@@ -154,18 +224,19 @@ def tensor_where(checkpoint: Path, record: TensorRecord) -> str:
 def _decoded_tensors(checkpoint: Path, manifest: Manifest) -> Iterator[torch.Tensor]:
     """Yield each tensor of the table, decoded into host memory in its saved dtype and shape."""
     storage: Storage = PosixStorage()
+    files = check_layout(checkpoint, manifest.tensors)
     with ExitStack() as stack:
-        readers: dict[str, tuple[BlobReader, int]] = {}
+        readers: dict[str, BlobReader] = {}
         for record in manifest.tensors:
             where = tensor_where(checkpoint, record)
             if record.file not in readers:
-                path, size = _data_file(checkpoint, record.file)
-                reader = storage.open_reader(path)
-                stack.callback(reader.close)
-                readers[record.file] = (reader, size)
-            reader, size = readers[record.file]
-            check_within_file(record, size, where)
-            blob = reader.read(record.offset, record.stored_bytes)
+                path = files[record.file][0]
+                try:
+                    readers[record.file] = storage.open_reader(path)
+                except OSError as exc:
+                    raise CorruptCheckpointError(f"{path}: cannot open the data file: {exc}") from exc
+                stack.callback(readers[record.file].close)
+            blob = readers[record.file].read(record.offset, record.stored_bytes)
             _check_blob(blob, record, where)
             yield _decode(blob, record, where)
 

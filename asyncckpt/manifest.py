@@ -1,8 +1,10 @@
-"""The manifest: one JSON document that describes a checkpoint (format v1, docs/format.md).
+"""The manifest: one JSON document that describes a checkpoint (format v3, docs/format.md).
 
-Writing is plain ``json.dumps`` of dataclasses. Reading treats the file as hostile input:
-every field is type- and range-checked before anything is allocated or opened, and every
-error is a :class:`CorruptCheckpointError` that names the manifest and the offending field.
+Writing is ``json.dumps`` of dataclasses, sealed with a SHA-256 of its own bytes
+(:mod:`asyncckpt.manifest_digest`). Reading treats the file as hostile input: the digest is
+checked before the JSON is parsed, then every field is type- and range-checked before anything
+is allocated or opened, and every error is a :class:`CorruptCheckpointError` that names the
+manifest and the offending field.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import dtype_from_name
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .manifest_digest import DIGEST_FIELD, seal, unseal
 
 FORMAT_NAME = "asyncckpt"
-FORMAT_VERSION = 1
-"""The version a manifest is written as unless it uses a later feature."""
 TENSOR_PLANES_VERSION = 2
-"""Written when a record's ``codec_params`` has ``planes_span: "tensor"`` (tensor-wide byte planes,
-GPU ``auto``): a version-1 reader ignores that parameter and would decode the bytes in the wrong
-order behind a passing checksum, so it must refuse the file instead, and does (it reads only 1)."""
-READABLE_VERSIONS = (FORMAT_VERSION, TENSOR_PLANES_VERSION)
+"""Version 2 added ``planes_span: "tensor"`` (tensor-wide byte planes, GPU ``auto``): a version-1
+reader ignores that parameter and would decode the bytes in the wrong order behind a passing
+checksum, so it must refuse the file instead, and does (it reads only 1)."""
+DIGEST_VERSION = 3
+"""Version 3 added the manifest's own SHA-256 (:mod:`asyncckpt.manifest_digest`); every manifest
+is written as version 3, and a version-3 manifest without a valid digest is corrupt."""
+FORMAT_VERSION = DIGEST_VERSION
+"""The version every manifest is written as."""
+READABLE_VERSIONS = (1, TENSOR_PLANES_VERSION, DIGEST_VERSION)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TENSOR_BYTES = 1 << 46
@@ -34,6 +40,8 @@ MAX_TENSOR_BYTES = 1 << 46
 MAX_DIMS = 64
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,5})?")
+"""The devices a tensor is saved from, and so the only ones load() places a tensor on."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,9 @@ class Manifest:
     io_mode: str = "posix"
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    digest: str | None = field(default=None, compare=False)
+    """The ``manifest_sha256`` it was read with (hex), None for a manifest of version 1 or 2, which
+    has none; never written from here (:meth:`to_json` computes it)."""
 
     @property
     def raw_bytes(self) -> int:
@@ -81,10 +92,38 @@ class Manifest:
         return sum(t.stored_bytes for t in self.tensors)
 
     def to_json(self) -> bytes:
+        """The manifest file's bytes, sealed with its digest, as the current format version."""
         doc = asdict(self)
-        if any(t.codec_params.get("planes_span") == "tensor" for t in self.tensors):
-            doc["format_version"] = max(self.format_version, TENSOR_PLANES_VERSION)
-        return json.dumps(doc, indent=1, allow_nan=False).encode()
+        del doc["digest"]
+        doc["format_version"] = FORMAT_VERSION
+        return seal(doc)
+
+
+def manifest_json(manifest: Manifest, where: str | Path) -> bytes:
+    """``manifest``'s file bytes, or CheckpointError if :func:`read_manifest` would refuse their size.
+
+    Every writer of a manifest (a save, a distributed part and commit, the DCP plugin) goes
+    through this or :func:`write_manifest`. Any thread.
+    """
+    data = manifest.to_json()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"{where}: the manifest would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} load() "
+            "accepts; not committed. Store fewer, larger tensors, or large str/bytes values as uint8 tensors"
+        )
+    return data
+
+
+def write_manifest(path: Path, manifest: Manifest, where: str | Path | None = None) -> None:
+    """Write ``manifest`` to the new file ``path`` and fsync it (not its directory). Worker thread.
+
+    ``where`` names the checkpoint in a size error (default: ``path``).
+    """
+    data = manifest_json(manifest, path if where is None else where)
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_manifest(checkpoint_dir: Path) -> Manifest:
@@ -126,6 +165,8 @@ def read_regular_file(path: Path, limit: int) -> bytes:
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Check the digest of a manifest file's bytes, then parse and validate it. Any thread."""
+    digest = unseal(data, where)  # before any field is trusted, or the JSON even parsed
     try:
         doc = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
@@ -140,6 +181,15 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             f"{where}: format version {version} is not supported by this asyncckpt (reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade asyncckpt to read it"
         )
+    if version >= DIGEST_VERSION and (digest is None or doc.get(DIGEST_FIELD) != digest):
+        # A damaged seal must not pass for an older, unsealed manifest.
+        raise CorruptCheckpointError(
+            f"{where}: a format version {version} manifest must begin with its {DIGEST_FIELD}; the manifest is corrupt"
+        )
+    if version < DIGEST_VERSION and (digest is not None or DIGEST_FIELD in doc):
+        raise CorruptCheckpointError(
+            f"{where}: a format version {version} manifest has no {DIGEST_FIELD}; the manifest is corrupt"
+        )
     raw_tensors = fields.get("tensors", list)
     tensors = [_parse_tensor(item, f"{where}: tensors[{i}]") for i, item in enumerate(raw_tensors)]
     return Manifest(
@@ -151,6 +201,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         metadata=fields.get("metadata", dict),
         io_mode=fields.get("io_mode", str),
         format_version=version,
+        digest=digest,
     )
 
 
@@ -212,6 +263,10 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
     chunks = f.get("chunks", list)
     if not all(isinstance(c, list) and len(c) == 2 and all(type(n) is int and n >= 0 for n in c) for c in chunks):
         raise CorruptCheckpointError(f"{where}: chunks must be [stored_bytes, raw_bytes] pairs of non-negative ints")
+    if len(chunks) > max(1, stored_bytes):
+        # Every chunk takes at least one stored byte (an empty tensor stored raw: one chunk of none), so
+        # a table of millions of empty chunks is refused here, at a cost bounded by the data file's size.
+        raise CorruptCheckpointError(f"{where}: {len(chunks)} chunks in {stored_bytes} stored bytes")
     if sum(c[0] for c in chunks) != stored_bytes or sum(c[1] for c in chunks) != raw_bytes:
         raise CorruptCheckpointError(f"{where}: chunk sizes do not add up to stored_bytes/raw_bytes")
     checksum = _Fields(f.get("checksum", dict), f"{where}: checksum")
@@ -219,7 +274,7 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
         key=key,
         dtype=f.get("dtype", str),
         shape=shape,
-        device=f.get("device", str),
+        device=_device(f.get("device", str), where),
         file=file_name,
         offset=f.nonnegative("offset"),
         stored_bytes=stored_bytes,
@@ -229,3 +284,9 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
         chunks=chunks,
         checksum=Checksum(algorithm=checksum.get("algorithm", str), value=checksum.get("value", str)),
     )
+
+
+def _device(name: str, where: str) -> str:
+    if not _DEVICE.fullmatch(name):
+        raise CorruptCheckpointError(f"{where}: invalid device {name!r} (a tensor is saved from 'cpu' or 'cuda:N')")
+    return name

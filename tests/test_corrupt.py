@@ -13,6 +13,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt.manifest_digest import DIGEST_FIELD, seal, seal_text
 
 
 @pytest.fixture
@@ -25,8 +26,9 @@ def checkpoint(run_dir: Path) -> Path:
 def _edit_manifest(checkpoint: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     path = checkpoint / MANIFEST_NAME
     doc = json.loads(path.read_text())
+    del doc[DIGEST_FIELD]
     edit(doc)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(seal(doc))  # a consistent rewrite: the hostile fields themselves must be refused
 
 
 def test_flipped_byte_names_tensor_and_file(checkpoint: Path) -> None:
@@ -72,7 +74,7 @@ def _tensor0(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_tensor0("codec", "ans"), "needs a CUDA GPU with the GPU extra"),
         (_tensor0("chunks", [[1, 2]]), "chunk sizes do not add up"),
         (_tensor0("checksum", {"algorithm": "md5", "value": "0"}), "unknown checksum algorithm 'md5'"),
-        (lambda d: d.update(format_version=3), "format version 3 is not supported"),
+        (lambda d: d.update(format_version=4), "format version 4 is not supported"),
         (lambda d: d.update(format="safetensors"), "not an asyncckpt manifest"),
         (lambda d: d.pop("tensors"), "missing field 'tensors'"),
         (lambda d: d.update(structure={"t": "tensor", "id": 99}), "structure refers to tensor 99"),
@@ -141,7 +143,8 @@ def test_deeply_nested_structure(checkpoint: Path, depth: int) -> None:
     nested = '{"t": "list", "items": [' * depth + '{"t": "none"}' + "]}" * depth
     doc = json.loads(path.read_text())
     doc.pop("structure")
-    path.write_text(json.dumps(doc)[:-1] + ', "structure": ' + nested + "}")
+    del doc[DIGEST_FIELD]
+    path.write_bytes(seal_text((json.dumps(doc)[:-1] + ', "structure": ' + nested + "}").encode()))
     with pytest.raises(asyncckpt.CorruptCheckpointError, match="nested deeper|nesting too deep|not valid JSON"):
         asyncckpt.load(checkpoint)
 
@@ -171,18 +174,24 @@ def test_cuda_tensors_on_a_cpu_only_machine_need_map_location(checkpoint: Path) 
         asyncckpt.load(checkpoint)
 
 
-def test_tensor_wide_planes_raise_the_format_version_so_older_readers_refuse(tmp_path: Path) -> None:
-    # A version-1 reader ignores `planes_span` and would join the planes in the wrong order with
-    # a passing checksum; version 2 makes it refuse the file. Everything else stays version 1.
+def test_every_manifest_is_written_as_version_3_and_versions_1_and_2_are_still_read(tmp_path: Path) -> None:
+    # Version 2 made a version-1 reader refuse tensor-wide planes (it would join them in the wrong
+    # order behind a passing checksum); version 3 (the manifest digest) is written for every
+    # manifest, planes_span included, and a reader of 1 and 2 refuses it.
     from asyncckpt.manifest import TensorRecord, parse_manifest
 
     with asyncckpt.AsyncCheckpointer(tmp_path / "run") as ckpt:
         path = ckpt.save(1, {"w": torch.arange(16.0)}).result(60).path
     assert path is not None
     manifest = asyncckpt.manifest.read_manifest(path)
-    assert json.loads(manifest.to_json())["format_version"] == 1
+    assert json.loads(manifest.to_json())["format_version"] == 3
     record = manifest.tensors[0]
     wide = TensorRecord(**{**record.__dict__, "codec": "ans", "codec_params": {"planes": 4, "planes_span": "tensor"}})
     doc = json.loads(type(manifest)(**{**manifest.__dict__, "tensors": [wide]}).to_json())
-    assert doc["format_version"] == 2
-    assert parse_manifest(json.dumps(doc).encode(), "test").format_version == 2  # this reader reads both
+    assert doc["format_version"] == 3
+    del doc[DIGEST_FIELD]
+    for version in (1, 2):
+        old = parse_manifest(json.dumps({**doc, "format_version": version}).encode(), "test")
+        assert (old.format_version, old.digest) == (version, None)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="must begin with its manifest_sha256"):
+        parse_manifest(json.dumps(doc).encode(), "test")  # a version-3 manifest whose seal is gone

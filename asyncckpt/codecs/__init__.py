@@ -17,13 +17,22 @@ from .none import NoneCodec
 from .zstd import ZstdCodec
 
 __all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "ZstdCodec", "get_decoder", "register_decoder",
-           "GPU_ONLY_CODECS", "CPU_CODECS"]  # fmt: skip
+           "GPU_ONLY_CODECS", "CPU_CODECS", "MAX_EXPANSION", "check_expansion"]  # fmt: skip
 
 CPU_CODECS = ("none", "zstd", "lz4", "deflate")
 """Codec names a CPU-only machine can decode."""
 
 GPU_ONLY_CODECS = frozenset({"ans", "gdeflate", "bitcomp", "cascaded"})
 """nvCOMP formats with no CPU decoder: reading them needs a GPU and the GPU extra."""
+
+MAX_EXPANSION: dict[str, tuple[int, int]] = {"none": (1, 0), "zstd": (1 << 15, 0), "lz4": (256, 64),
+                                              "deflate": (1040, 1024)}  # fmt: skip
+"""Per codec ``(a, b)``: a chunk of ``s`` stored bytes never decodes to more than ``a * s + b`` bytes.
+
+The formats' own limits: a Zstandard block holds at most 128 KiB and takes at least 4 bytes (an
+RLE block); an LZ4 sequence adds at most 255 bytes of match per byte; DEFLATE at most 258 bytes
+per 2 bits (1032:1). A manifest that claims more is corrupt, and is refused before anything is
+allocated, so what a reader allocates is bounded by the bytes the file really holds."""
 
 _decoder_factories: dict[str, Callable[[], Decoder]] = {"none": NoneCodec, "zstd": ZstdCodec, "lz4": Lz4Decoder,
                                                          "deflate": DeflateDecoder}  # fmt: skip
@@ -58,3 +67,20 @@ def get_decoder(name: object, where: str) -> Decoder:
     if name not in _decoders:
         _decoders[name] = _decoder_factories[name]()
     return _decoders[name]
+
+
+def check_expansion(codec: str, chunks: list[list[int]], where: str) -> None:
+    """Raise CorruptCheckpointError if a chunk claims more raw bytes than ``codec`` can produce from it.
+
+    Codecs without a known bound (the GPU-only nvCOMP formats) pass. Costs one step per chunk.
+    """
+    bound = MAX_EXPANSION.get(codec)
+    if bound is None:
+        return
+    a, b = bound
+    for i, (stored, raw) in enumerate(chunks):
+        if raw > a * stored + b:
+            raise CorruptCheckpointError(
+                f"{where}: chunk {i} claims {raw} raw bytes from {stored} stored bytes, more than {codec} can "
+                "decode to; the manifest is corrupt"
+            )

@@ -98,10 +98,20 @@ def _decompress_into(frame: np.ndarray, out: np.ndarray, planes: int) -> None:
     if decompressor is None:
         decompressor = _local.decompressor = zstandard.ZstdDecompressor()
     try:
-        # max_output_size bounds memory even if the frame lies about its content size.
+        # The header's content size, when present, is what decompress() allocates, before
+        # max_output_size is looked at: it must be the recorded size, checked first.
+        declared = zstandard.frame_content_size(frame.data)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"zstd: chunk is not a Zstandard frame: {exc}") from exc
+    if declared not in (-1, out.size):
+        raise CorruptCheckpointError(f"zstd: frame header declares {declared} bytes, the manifest {out.size}")
+    try:
+        # max_output_size bounds memory for a frame without a content size.
         plain = decompressor.decompress(frame.data, max_output_size=max(out.size, 1))
     except zstandard.ZstdError as exc:
         raise CorruptCheckpointError(f"zstd: chunk does not decode: {exc}") from exc
+    except MemoryError as exc:  # e.g. a window size beyond this machine: still a frame this writer never makes
+        raise CorruptCheckpointError(f"zstd: chunk needs more memory to decode than its {out.size} bytes") from exc
     if len(plain) != out.size:
         raise CorruptCheckpointError(f"zstd: chunk decoded to {len(plain)} bytes, expected {out.size}")
     byte_planes.join(np.frombuffer(plain, dtype=np.uint8), planes, out)

@@ -25,7 +25,7 @@ import torch
 from .. import checksum
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..loader import _data_file, check_within_file, destination, tensor_where
+from ..loader import check_layout, destination, tensor_where
 from ..manifest import Manifest, TensorRecord
 from .checksum import mix64_device
 from .decoders import DecodeItem, decode_many
@@ -52,10 +52,9 @@ def decode_on_device(
     by_file: dict[str, list[int]] = {}
     for i, record in enumerate(records):
         by_file.setdefault(record.file, []).append(i)
+    files = check_layout(checkpoint, records)  # every blob inside its file, none overlapping, sizes bounded
     for name, indices in by_file.items():
-        path, size = _data_file(checkpoint, name)
-        for i in indices:
-            check_within_file(records[i], size, wheres[i])
+        path = files[name][0]
         empty = [i for i in indices if records[i].stored_bytes == 0]
         for i in empty:  # nothing to read: an empty blob may lie at the aligned end, past the file's last byte
             out[i] = _empty_tensor(records[i], wheres[i], read_device)

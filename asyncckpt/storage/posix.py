@@ -94,7 +94,12 @@ class PosixBlobReader:
     def read(self, offset: int, size: int) -> torch.Tensor:
         assert self._fd is not None, "reader is closed"
         out = torch.empty(size, dtype=torch.uint8)
-        done = pread_fully(self._fd, out.numpy(), offset)
+        try:
+            done = pread_fully(self._fd, out.numpy(), offset)
+        except OSError as exc:  # EIO from a failing disk: a read error of this file at this offset
+            raise CorruptCheckpointError(
+                f"{self.path}: cannot read {size} bytes at offset {offset}: {exc}; the storage under it failed"
+            ) from exc
         if done < size:
             raise CorruptCheckpointError(f"{self.path}: file ends at byte {offset + done}, expected {offset + size}")
         return out

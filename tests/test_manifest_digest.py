@@ -1,0 +1,103 @@
+"""The manifest's own digest: every writer seals it, every reader checks it before trusting a field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncckpt
+from asyncckpt.distributed import DistributedCheckpointer
+from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
+from asyncckpt.manifest import MANIFEST_NAME, read_manifest
+from asyncckpt.manifest_digest import DIGEST_FIELD, PREFIX_BYTES
+
+
+def _sealed(path: Path) -> bytes:
+    data = (path / MANIFEST_NAME).read_bytes()
+    assert data.startswith(b'{"manifest_sha256": "') and data[PREFIX_BYTES - 2 : PREFIX_BYTES] == b'",'
+    assert data[21 : 21 + 64].decode() == hashlib.sha256(data[PREFIX_BYTES:]).hexdigest()
+    assert json.loads(data)["format_version"] == 3
+    return data
+
+
+@pytest.fixture
+def checkpoint(run_dir: Path) -> Path:
+    with asyncckpt.AsyncCheckpointer(run_dir) as ckpt:
+        return ckpt.save(1, {"model": {"w": torch.arange(8.0)}, "lr": 0.5}).result().path  # type: ignore[return-value]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
+def test_every_writer_seals_its_manifest(checkpoint: Path, tmp_path: Path) -> None:
+    _sealed(checkpoint)
+    assert asyncckpt.verify(checkpoint).manifest_digest == read_manifest(checkpoint).digest is not None
+
+    ranks = [DistributedCheckpointer(tmp_path / "dist", rank=r, world_size=2, session="s1") for r in (0, 1)]
+    handles = [ckpt.save(5, {"x": torch.full((4,), float(r))}) for r, ckpt in enumerate(ranks)]
+    for handle in handles:
+        handle.result(timeout=30)
+    for ckpt in ranks:
+        ckpt.close()
+    _sealed(tmp_path / "dist" / "step-0000000005")
+    assert asyncckpt.verify(tmp_path / "dist").tensors == 2
+
+    dcp.save({"w": torch.ones(3)}, storage_writer=AsyncCkptWriter(tmp_path / "dcp"), no_dist=True)
+    _sealed(tmp_path / "dcp")
+    back = {"w": torch.zeros(3)}
+    dcp.load(back, storage_reader=AsyncCkptReader(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(back["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("position", ["digest line", "key", "value", "last byte"])
+def test_a_changed_byte_anywhere_is_refused_by_load_and_verify(checkpoint: Path, position: str) -> None:
+    path = checkpoint / MANIFEST_NAME
+    data = bytearray(path.read_bytes())
+    at = {"digest line": 30, "key": data.index(b'"model"') + 2, "value": data.index(b'"step": 1') + 8,
+          "last byte": len(data) - 1}[position]  # fmt: skip
+    data[at] ^= 0x04  # model -> mkdel, 1 -> 5, a digest digit, "}" -> "y"
+    path.write_bytes(bytes(data))
+    for check in (asyncckpt.load, asyncckpt.verify):
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"manifest\.json: manifest digest mismatch|"
+                           r"manifest\.json: the manifest's manifest_sha256 is malformed"):  # fmt: skip
+            check(checkpoint)
+
+
+def test_appended_and_truncated_manifests_are_refused(checkpoint: Path) -> None:
+    path = checkpoint / MANIFEST_NAME
+    data = path.read_bytes()
+    for changed in (data + b"\n", data[:-1], data[:PREFIX_BYTES], data[:40]):
+        path.write_bytes(changed)
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match="manifest"):
+            asyncckpt.verify(checkpoint)
+
+
+def test_a_damaged_seal_is_not_taken_for_an_older_unsealed_manifest(checkpoint: Path) -> None:
+    path = checkpoint / MANIFEST_NAME
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"manifest_sha256"', b'"manifest_sha257"', 1))
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="version 3 manifest must begin with its"):
+        asyncckpt.load(checkpoint)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_unsealed_manifests_still_load_and_verify_says_what_was_not_checked(
+    checkpoint: Path, version: int
+) -> None:
+    path = checkpoint / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    del doc[DIGEST_FIELD]
+    doc["format_version"] = version
+    path.write_text(json.dumps(doc, indent=1))  # as versions 1 and 2 wrote it
+    state = asyncckpt.load(checkpoint)
+    assert torch.equal(state["model"]["w"], torch.arange(8.0)) and state["lr"] == 0.5
+    report = asyncckpt.verify(checkpoint)
+    assert (report.format_version, report.manifest_digest) == (version, None)
+    assert report.notes == [f"no manifest digest (format v{version})"]
+    doc[DIGEST_FIELD] = "0" * 64  # an older manifest has none: a stray one is damage
+    path.write_text(json.dumps(doc, indent=1))
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=f"format version {version} manifest has no"):
+        asyncckpt.load(checkpoint)
