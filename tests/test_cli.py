@@ -10,6 +10,7 @@ import torch
 from conftest import run_python
 
 import asyncckpt
+from asyncckpt.manifest_digest import DIGEST_FIELD, seal
 
 CLI = "import sys; from asyncckpt.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -41,7 +42,8 @@ def test_ls_inspect_verify(tmp_path: Path) -> None:
     manifest = run / "step-0000000003" / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["tensors"][0]["checksum"]["value"] = "00000000"
-    manifest.write_text(json.dumps(doc))
+    del doc[DIGEST_FIELD]
+    manifest.write_bytes(seal(doc))  # resealed: the blob's checksum itself must catch it
     bad = run_python(CLI, "verify", str(run), check=False)
     assert bad.returncode == 1 and "CORRUPT" in bad.stdout and "layer/weight" in bad.stdout
 

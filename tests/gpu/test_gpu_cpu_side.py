@@ -23,6 +23,7 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.gpu.planes import join_into, split_into
 from asyncckpt.gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
 from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt.manifest_digest import DIGEST_FIELD, seal
 from asyncckpt.state_compare import clone_state, first_difference
 
 _BLOCK_GPU_PACKAGES = """
@@ -235,7 +236,8 @@ def _forge_codec(checkpoint: Path, codec: str) -> None:
     doc = json.loads(path.read_text())
     for record in doc["tensors"]:
         record["codec"] = codec
-    path.write_text(json.dumps(doc))
+    del doc[DIGEST_FIELD]
+    path.write_bytes(seal(doc))
 
 
 def test_a_gpu_only_codec_fails_on_a_cpu_machine_with_an_error_that_says_so(run_dir: Path) -> None:
