@@ -65,10 +65,10 @@ from ..checkpointer import _default_observer
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import publish
 from ..loader import load_tensors
-from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest
+from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest, write_manifest
 from ..observer import NullObserver, SaveObserver, notify_load_finished
 from ..options import resolve_options
-from ..persist import write_durably, write_part
+from ..persist import write_part
 from ..result import SaveResult
 from ..snapshot import StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
@@ -223,7 +223,7 @@ class AsyncCkptWriter(StorageWriter):
                                 tensors=records, structure=structure,
                                 metadata={DCP_KEY: encode_metadata(metadata, items), "world_size": len(results)},
                                 io_mode=self._backend.storage.io_mode)  # fmt: skip
-            write_durably(tmp / MANIFEST_NAME, manifest.to_json())
+            write_manifest(tmp / MANIFEST_NAME, manifest, final)  # sealed, and refused if load() would refuse its size
             publish(tmp, final, replace=self.overwrite)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
