@@ -26,5 +26,7 @@ class MissingDependencyError(CheckpointError, ImportError):
 
 
 def gpu_extra_hint() -> str:
-    """The pip lines that install the GPU extras, for error messages."""
-    return 'pip install "asyncckpt[cu12]"   # CUDA 12 drivers\npip install "asyncckpt[cu13]"   # CUDA 13 drivers'
+    """The pip lines that install the GPU extras, for error messages: the one matching torch's CUDA build first."""
+    from .gpu.deps import gpu_extra_hint as hint  # lazily: it imports torch
+
+    return hint()

@@ -1,10 +1,20 @@
-"""``asyncckpt convert SRC OUT``: re-encode a checkpoint, or export it as safetensors.
+"""``asyncckpt convert SRC OUT``: re-encode a checkpoint, or export it as safetensors or a ``torch.save`` file.
 
 Typical uses: turn a GPU-only checkpoint (ANS, Bitcomp, ...) into zstd so CPU-only machines
-can read it (run on a GPU machine), or hand the tensors to another tool as one
-``.safetensors`` file. Every blob is verified on the way in (checksums, sizes); the output is
-a normal committed checkpoint (``OUT/step-NNNNNNNNNN``, same step, structure, metadata and
-devices) or a safetensors file whose ``__metadata__`` keeps the structure.
+can read it (run on a GPU machine), or hand the weights to another tool. Every blob is verified
+on the way in (checksums, sizes; a progress bar on a terminal); the output is
+
+* ``--to asyncckpt`` (default): a normal committed checkpoint (``OUT/step-NNNNNNNNNN``, same step,
+  structure, metadata and devices), in a codec this machine can write (``--codec``; the GPU
+  codecs are offered only where CUDA and the GPU extra are present);
+* ``--to safetensors``: ``OUT`` written with the safetensors library, keys as in a state dict
+  (``layer.weight``), so ``model.load_state_dict(safetensors.torch.load_file(OUT))`` works. By
+  default the ``model`` (or ``state_dict``) entry of the state is exported when there is one,
+  else every tensor; ``--key`` picks another entry (``--key optim``). Tied weights are each
+  written under their own key (safetensors stores no aliases). Non-tensor values are dropped;
+  step and checkpoint metadata go into the file's ``__metadata__``;
+* ``--to torch``: ``OUT`` written by ``torch.save`` (the whole state, or ``--key``'s entry),
+  readable with ``torch.load(OUT, weights_only=True)``; tied tensors stay tied.
 
 Runs on the calling thread; nvCOMP codecs need a GPU with the GPU extra, zstd and none do not.
 """
@@ -19,11 +29,9 @@ from typing import Any
 
 import torch
 
-from ..backend import CPU_ENCODERS, cpu_encoder
+from ..backend import cpu_encoder
 from ..codecs import Encoder
-from ..dtypes import dtype_name
 from ..errors import CheckpointError
-from ..layout import resolve_checkpoint
 from ..loader import load
 from ..manifest import Manifest, read_manifest
 from ..options import CODEC_NAMES, CheckpointOptions
@@ -31,54 +39,70 @@ from ..persist import SaveJob, persist
 from ..snapshot import StagedTensor, bytes_view
 from ..storage import PosixStorage, Storage
 from ..tree import flatten
+from ._paths import checkpoint_path
+from ._progress import ReadProgress
 
-SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
+CPU_CODECS = ("zstd", "none")
+MODEL_KEYS = ("model", "state_dict")  # what a training loop (and Lightning) calls the weights
+
+
+def writable_codecs() -> tuple[str, ...]:
+    """Codecs this machine can write: zstd and none everywhere, nvCOMP's where the GPU path is installed."""
+    from ..gpu.deps import gpu_path_installed
+
+    return CODEC_NAMES if gpu_path_installed() else CPU_CODECS
 
 
 def register(sub: Any) -> None:
+    codecs = writable_codecs()
+    gpu_note = (
+        "" if codecs == CODEC_NAMES else "; nvCOMP codecs (lz4, deflate, ans, ...) need a CUDA GPU and the GPU extra"
+    )
     parser = sub.add_parser(
-        "convert", help="re-encode a checkpoint (e.g. ANS -> zstd for CPU readers) or export it to safetensors"
+        "convert",
+        help="re-encode a checkpoint (e.g. ANS -> zstd for CPU readers) or export it to safetensors / torch.save",
     )
     parser.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
-    parser.add_argument("out", help="run directory for the new checkpoint, or the .safetensors file to write")
-    parser.add_argument("--step", type=int, default=None)
     parser.add_argument(
-        "--codec",
-        default="zstd",
-        choices=CODEC_NAMES,
-        help="codec of the new checkpoint (default zstd: readable everywhere)",
+        "out", help="run directory for the new checkpoint, or the file to write (--to safetensors|torch)"
     )
-    parser.add_argument("--to", default="asyncckpt", choices=("asyncckpt", "safetensors"), help="output format")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--codec", default="zstd", choices=codecs,
+                        help=f"codec of the new checkpoint (default zstd: readable everywhere{gpu_note})")  # fmt: skip
+    parser.add_argument(
+        "--to", default="asyncckpt", choices=("asyncckpt", "safetensors", "torch"), help="output format"
+    )
+    parser.add_argument("--key", default=None,
+                        help="export only this entry of the state (dotted path, e.g. model or optim.state); "
+                             "safetensors default: 'model' or 'state_dict' when present")  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    source = resolve_checkpoint(args.checkpoint, "latest" if args.step is None else args.step)
-    manifest = read_manifest(source)
-    if args.to == "safetensors":
-        tensors = _tensors(source, manifest, torch.device("cpu"))
-        size = write_safetensors(Path(args.out), manifest, tensors)
-        print(f"wrote {args.out}: {len(tensors)} tensors, {size} bytes (safetensors)")
+    source = checkpoint_path(args.checkpoint, args.step)
+    if args.to != "asyncckpt":
+        out = Path(args.out)
+        if out.exists():
+            raise CheckpointError(f"{out}: already exists; remove it or choose another output file")
+        manifest, state = _read(source, "cpu")
+        key = args.key if args.key is not None or args.to == "torch" else _model_key(state)
+        chosen = _entry(state, key) if key is not None else state
+        if args.to == "torch":
+            torch.save(chosen, out)
+            print(f"wrote {out}: {'entry ' + repr(key) if key else 'the whole state'} (torch.save)")
+            return 0
+        flat = state_dict_tensors(chosen)
+        write_safetensors(out, flat, manifest, key)
+        what = f"entry {key!r}" if key is not None else "every tensor"
+        print(f"wrote {out}: {len(flat)} tensors of {what}, {out.stat().st_size} bytes (safetensors)")
         return 0
     encoder, storage, device = _encoder_for(args.codec)
     try:
-        tensors = _tensors(source, manifest, device)
+        manifest, state = _read(source, device)
+        tensors = [leaf.tensor for leaf in flatten(state).tensors]
+        if len(tensors) != len(manifest.tensors):
+            held, listed = len(tensors), len(manifest.tensors)
+            raise CheckpointError(f"{source}: the structure holds {held} tensors, the table lists {listed}")
         began = time.perf_counter()
         job = SaveJob(
             step=manifest.step,
@@ -91,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
             snapshot_seconds=0.0,
             snapshot_mode="convert",
         )
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = persist(job, out, encoder, storage, keep_last=None)
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result = persist(job, out_dir, encoder, storage, keep_last=None)
     finally:
         close = getattr(encoder, "close", None)
         if close is not None:
@@ -105,9 +129,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(source: Path, device: torch.device | str) -> tuple[Manifest, Any]:
+    """The manifest and the state, every blob verified by :func:`asyncckpt.load`; a bar on a terminal."""
+    manifest = read_manifest(source)
+    with ReadProgress(f"read {source.name}", manifest.stored_bytes):
+        return manifest, load(source, map_location=device)
+
+
 def _encoder_for(codec: str) -> tuple[Encoder, Storage, torch.device]:
     """The encoder and storage for ``codec``: the CPU ones for zstd/none, the GPU pipeline otherwise."""
-    if codec in CPU_ENCODERS and codec != "auto":
+    if codec in CPU_CODECS:
         return cpu_encoder(CheckpointOptions(codec=codec)), PosixStorage(), torch.device("cpu")
     from ..gpu.deps import gpu_path_available, require_cuda
 
@@ -120,14 +151,85 @@ def _encoder_for(codec: str) -> tuple[Encoder, Storage, torch.device]:
     return GpuEncoder(codec, device), KvikioStorage(device), device
 
 
-def _tensors(source: Path, manifest: Manifest, device: torch.device) -> list[torch.Tensor]:
-    """Every tensor of the table, verified and decoded, in table order."""
-    state = load(source, map_location=device)
-    tensors = [leaf.tensor for leaf in flatten(state).tensors]
-    if len(tensors) != len(manifest.tensors):
-        held, listed = len(tensors), len(manifest.tensors)
-        raise CheckpointError(f"{source}: the structure holds {held} tensors, the table lists {listed}")
-    return tensors
+def _model_key(state: Any) -> str | None:
+    if isinstance(state, dict):
+        for key in MODEL_KEYS:
+            if isinstance(state.get(key), dict):
+                return key
+    return None
+
+
+def _entry(state: Any, key: str) -> Any:
+    """The entry at dotted path ``key`` (dict keys; list/tuple indices as numbers)."""
+    node = state
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif _has_index(node, part):
+            node = node[int(part)]
+        else:
+            top = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"--key {key!r}: no entry {part!r} in the checkpoint's state (top level: {top})")
+    return node
+
+
+def _has_index(node: Any, part: str) -> bool:
+    """Whether ``part`` is an int key of a dict (optimizer state) or an index of a list/tuple in ``node``."""
+    if not part.lstrip("-").isdigit():
+        return False
+    if isinstance(node, dict):
+        return int(part) in node
+    return isinstance(node, (list, tuple)) and 0 <= int(part) < len(node)
+
+
+def state_dict_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """Every tensor under ``state`` by its dotted path, as ``state_dict()`` names them; the rest is dropped.
+
+    A tensor reachable under several keys (tied weights) is cloned for all but its first key:
+    safetensors refuses shared memory, and ``load_state_dict`` wants every key.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, ...]] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, torch.Tensor):
+            if prefix in out:
+                raise CheckpointError(f"two entries of the state are both named {prefix!r} in a flat export")
+            identity = (node.untyped_storage().data_ptr(), int(node.storage_offset()), *node.shape, -1, *node.stride())
+            tied = identity in seen and node.numel() > 0
+            seen.add(identity)
+            out[prefix or "tensor"] = node.clone() if tied else node.contiguous()
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}.{i}" if prefix else str(i))
+
+    walk(state, "")
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], manifest: Manifest, key: str | None) -> None:
+    """Write ``tensors`` with the safetensors library; ``__metadata__`` keeps where they came from."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise CheckpointError(
+            f"--to safetensors needs the safetensors package: pip install safetensors ({exc})"
+        ) from exc
+    metadata = {
+        "format": "pt",
+        "asyncckpt_step": str(manifest.step),
+        "asyncckpt_metadata": json.dumps(manifest.metadata),
+    }
+    if key is not None:
+        metadata["asyncckpt_key"] = key
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except (ValueError, TypeError, RuntimeError) as exc:  # a dtype or layout safetensors cannot store
+        path.unlink(missing_ok=True)
+        raise CheckpointError(f"safetensors cannot store this state ({exc}); try --to torch or --key") from exc
 
 
 class _Decoded:
@@ -151,35 +253,3 @@ class _Decoded:
 
     def gpu_busy_seconds(self) -> float:
         return 0.0
-
-
-def write_safetensors(path: Path, manifest: Manifest, tensors: list[torch.Tensor]) -> int:
-    """Write ``tensors`` (host) under their manifest keys as one safetensors file; returns its size.
-
-    The non-tensor structure, step and metadata go into ``__metadata__`` as JSON strings, so
-    nothing of the checkpoint is lost; safetensors itself stores each tensor once.
-    """
-    header: dict[str, Any] = {
-        "__metadata__": {
-            "format": "asyncckpt",
-            "step": str(manifest.step),
-            "asyncckpt_structure": json.dumps(manifest.structure),
-            "asyncckpt_metadata": json.dumps(manifest.metadata),
-        }
-    }
-    offset = 0
-    for record, t in zip(manifest.tensors, tensors, strict=True):
-        kind = SAFETENSORS_DTYPES.get(dtype_name(t.dtype) or "")
-        if kind is None:
-            raise CheckpointError(f"tensor {record.key!r}: safetensors cannot store dtype {t.dtype}")
-        size = t.numel() * t.element_size()
-        header[record.key] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "xb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for t in tensors:
-            f.write(bytes_view(t.cpu().contiguous()).numpy().tobytes())
-    return 8 + len(encoded) + offset

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -26,7 +27,9 @@ from ..state_compare import clone_state, first_difference
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("demo", help="train a small model with async checkpoints and compare with torch.save")
-    parser.add_argument("--dir", default=None, help="run directory (default: a new temporary directory)")
+    parser.add_argument(
+        "--dir", default=None, help="run directory, kept afterwards (default: a temporary one, removed at the end)"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--width", type=int, default=256, help="model width (layers=4): 256 is ~3.4M parameters")
@@ -93,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"FAILED: restored step {last_step} differs from the state at save time: {difference}")
         return 1
     print(f"restored step {last_step} from {directory}: bit-for-bit equal to the state at save() time")
-    for path in sync_dir.iterdir():
-        path.unlink()
-    sync_dir.rmdir()
+    shutil.rmtree(sync_dir)
+    if args.dir is None:  # a failed run keeps it (above), for a look with asyncckpt ls/inspect/verify
+        shutil.rmtree(directory)
+        print(f"removed {directory} (pass --dir to keep the checkpoints)")
     if args.hold_seconds > 0:
         print(f"holding for {args.hold_seconds:.0f} s (metrics stay up)", flush=True)
         time.sleep(args.hold_seconds)

@@ -1,24 +1,32 @@
-"""``asyncckpt inspect CKPT``: the tensor table of one checkpoint."""
+"""``asyncckpt inspect CKPT``: the tensor table of one checkpoint (``--json`` for scripts)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from ..layout import resolve_checkpoint
 from ..manifest import read_manifest
+from ._json import print_json
+from ._paths import checkpoint_path
 
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("inspect", help="show a checkpoint's tensor table (dtype, shape, codec, ratio)")
     parser.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
     parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    path = resolve_checkpoint(args.checkpoint, "latest" if args.step is None else args.step)
+    path = checkpoint_path(args.checkpoint, args.step)
     manifest = read_manifest(path)
+    if args.json:
+        fields = ("step", "format_version", "library_version", "io_mode", "created_unix", "metadata", "raw_bytes")
+        document = {key: getattr(manifest, key) for key in (*fields, "stored_bytes")}
+        print_json({"path": str(path), **document, "tensors": [dataclasses.asdict(t) for t in manifest.tensors]})
+        return 0
     print(f"{path}: step {manifest.step}, format v{manifest.format_version}, written by asyncckpt "
           f"{manifest.library_version} ({manifest.io_mode} I/O)")  # fmt: skip
     if manifest.metadata:

@@ -1,4 +1,8 @@
-"""``asyncckpt ls DIR``: the committed checkpoints of a run directory."""
+"""``asyncckpt ls DIR``: the committed checkpoints of a run directory, one row each.
+
+A checkpoint whose manifest cannot be read or fails validation is reported in its own row
+(``CORRUPT: ...``) and the listing goes on; the exit status is then 1 (see :mod:`asyncckpt.cli`).
+"""
 
 from __future__ import annotations
 
@@ -6,28 +10,55 @@ import argparse
 import time
 from typing import Any
 
+from ..errors import CheckpointError
 from ..layout import latest_step, list_checkpoints
 from ..manifest import read_manifest
+from ._json import print_json
+from ._paths import existing_directory
 
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("ls", help="list the committed checkpoints of a run directory")
-    parser.add_argument("directory")
+    parser.add_argument("directory", help="a run directory (the one given to AsyncCheckpointer)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.set_defaults(func=run)
 
 
+def rows(directory: str) -> list[dict[str, Any]]:
+    """One dict per committed checkpoint, oldest first; a bad one has ``error`` set and no sizes."""
+    latest = latest_step(directory)
+    out = []
+    for info in list_checkpoints(directory):
+        row: dict[str, Any] = {"step": info.step, "path": str(info.path), "latest": info.step == latest}
+        try:
+            manifest = read_manifest(info.path)
+        except (CheckpointError, OSError) as exc:  # report it in its row; the other checkpoints still list
+            row["error"] = " ".join(str(exc).split())
+        else:
+            stored = manifest.stored_bytes
+            row.update(created_unix=manifest.created_unix, raw_bytes=manifest.raw_bytes, stored_bytes=stored,
+                       ratio=manifest.raw_bytes / stored if stored else 1.0, tensors=len(manifest.tensors))  # fmt: skip
+        out.append(row)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    checkpoints = list_checkpoints(args.directory)
-    if not checkpoints:
+    existing_directory(args.directory, "run directory")
+    found = rows(args.directory)
+    status = 1 if any("error" in row for row in found) else 0
+    if args.json:
+        print_json({"directory": args.directory, "checkpoints": found})
+        return status
+    if not found:
         print(f"{args.directory}: no committed checkpoints")
-        return 1
-    latest = latest_step(args.directory)
+        return 0
     print(f"{'step':>10}  {'created (UTC)':19}  {'raw MB':>10}  {'stored MB':>10}  {'ratio':>6}  path")
-    for info in checkpoints:
-        manifest = read_manifest(info.path)
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest.created_unix))
-        ratio = manifest.raw_bytes / manifest.stored_bytes if manifest.stored_bytes else 1.0
-        mark = "  <- latest" if info.step == latest else ""
-        print(f"{info.step:>10}  {created:19}  {manifest.raw_bytes / 1e6:>10.2f}  {manifest.stored_bytes / 1e6:>10.2f}"
-              f"  {ratio:>6.3f}  {info.path}{mark}")  # fmt: skip
-    return 0
+    for row in found:
+        mark = "  <- latest" if row["latest"] else ""
+        if "error" in row:
+            print(f"{row['step']:>10}  CORRUPT: {row['error']}  {row['path']}{mark}")
+            continue
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["created_unix"]))
+        print(f"{row['step']:>10}  {created:19}  {row['raw_bytes'] / 1e6:>10.2f}  {row['stored_bytes'] / 1e6:>10.2f}"
+              f"  {row['ratio']:>6.3f}  {row['path']}{mark}")  # fmt: skip
+    return status

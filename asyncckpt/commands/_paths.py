@@ -1,0 +1,40 @@
+"""Path arguments of the commands: one clear error for a missing path or a file where a directory belongs.
+
+:class:`~asyncckpt.errors.CheckpointError` here becomes exit status 2 with one line on stderr
+(:mod:`asyncckpt.cli`). Calling thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointError
+from ..layout import resolve_checkpoint
+from ..manifest import MANIFEST_NAME, read_manifest
+
+
+def existing_directory(path: str, what: str) -> Path:
+    """``path`` as a directory; raises CheckpointError saying what is there instead."""
+    target = Path(path)
+    if not target.exists():
+        raise CheckpointError(f"{path}: no such {what}")
+    if not target.is_dir():
+        raise CheckpointError(f"{path}: is a file, not a {what} (a checkpoint is a directory holding {MANIFEST_NAME})")
+    return target
+
+
+def checkpoint_path(path: str, step: int | None) -> Path:
+    """The checkpoint ``path`` names: itself, or its latest (or ``step``) when it is a run directory."""
+    existing_directory(path, "checkpoint or run directory")
+    return resolve_checkpoint(path, "latest" if step is None else step)
+
+
+def stored_bytes(path: str, step: int | None) -> int:
+    """The stored size of the checkpoint ``path`` names, for a progress bar; 0 if its manifest cannot be read.
+
+    Best effort on purpose: the command's own read reports a corrupt manifest properly.
+    """
+    try:
+        return read_manifest(checkpoint_path(path, step)).stored_bytes
+    except (CheckpointError, OSError):
+        return 0

@@ -1,0 +1,95 @@
+"""The command line on odd input: missing paths, files where directories belong, closed pipes, no arguments.
+
+Every command answers with one line on stderr and the exit status :mod:`asyncckpt.cli` documents
+(2: could not run; 141: output pipe closed), never a traceback. Real subprocesses throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_env import REPO, cli, saved_run
+
+import asyncckpt
+
+COMMANDS = [("ls",), ("inspect",), ("verify",), ("convert", "--to", "torch")]
+
+
+def _args(command: tuple[str, ...], path: Path, tmp_path: Path) -> list[str | Path]:
+    if command[0] == "convert":
+        return ["convert", path, tmp_path / "out.pt", *command[1:]]
+    return [*command, path]
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncckpt: error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_missing_path_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
+    line = _one_line_error(cli(*_args(command, tmp_path / "missing", tmp_path)))
+    assert "missing: no such" in line
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_file_where_a_directory_belongs_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("hello")
+    line = _one_line_error(cli(*_args(command, afile, tmp_path)))
+    assert "is a file, not a" in line
+
+
+@pytest.mark.parametrize("command", COMMANDS[1:], ids=lambda c: c[0])  # ls: tested below
+def test_a_run_directory_without_checkpoints_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _one_line_error(cli(*_args(command, empty, tmp_path)))
+    assert "no committed checkpoint" in line
+
+
+def test_ls_of_an_empty_directory_lists_nothing(tmp_path: Path) -> None:
+    proc = cli("ls", tmp_path)
+    assert proc.returncode == 0 and "no committed checkpoints" in proc.stdout
+
+
+def test_a_closed_pipe_ends_quietly_with_status_141(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path / "run") as ckpt:  # a table far larger than a pipe's buffer
+        ckpt.save(1, {f"tensor_{i}": torch.zeros(1) for i in range(4000)})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for command in (["inspect"], ["ls"], ["inspect", "--json"]):
+        reader, writer = os.pipe()
+        proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", *command, str(tmp_path / "run")], stdout=writer,
+                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        os.close(writer)
+        with os.fdopen(reader, "rb") as pipe:
+            pipe.read(16)  # `| head -c 16`: read a little, then close the pipe
+        _, stderr = proc.communicate(timeout=60)
+        if command[0] == "ls":  # two rows fit in the pipe: it finished before the pipe closed
+            assert proc.returncode in (0, 141) and stderr == "", stderr
+            continue
+        assert proc.returncode == 141, (command, proc.returncode, stderr)
+        assert stderr == "", stderr
+
+
+def test_version_and_no_arguments(tmp_path: Path) -> None:
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith(f"asyncckpt {asyncckpt.__version__} (torch ")
+    bare = cli(env={"TMPDIR": str(tmp_path)})
+    assert bare.returncode == 0 and bare.stdout.startswith("usage: asyncckpt") and "convert" in bare.stdout
+    assert list(tmp_path.iterdir()) == []  # it ran no demo: nothing written to the temporary directory
+
+
+def test_convert_refuses_to_overwrite_an_export(tmp_path: Path) -> None:
+    saved_run(tmp_path / "run")
+    (tmp_path / "out.pt").write_text("keep me")
+    line = _one_line_error(cli("convert", tmp_path / "run", tmp_path / "out.pt", "--to", "torch"))
+    assert "already exists" in line and (tmp_path / "out.pt").read_text() == "keep me"
