@@ -122,10 +122,23 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
         "extra_host_bytes": max(0, host_peak - host_before),
         "host_rss_before_bytes": host_before,
-        **{k: v for k, v in finished.details.items() if k in ("snapshot_mode", "snapshot_reason", "io_mode")},
+        **{
+            k: v
+            for k, v in finished.details.items()
+            if k in ("snapshot_mode", "snapshot_reason", "io_mode", "gate_seconds", "spilled_bytes", "compress_notes")
+        },
     }
     remove(finished.path)
     return row
+
+
+def summary(row: dict[str, Any]) -> str:
+    return (
+        f"call {fmt_seconds(row['call_seconds'])}, fence held {fmt_seconds(row.get('gate_seconds'))}, "
+        f"lost {fmt_seconds(row['lost_seconds'])}, durable {fmt_seconds(row['durable_seconds'])}, "
+        f"extra GPU {fmt_bytes(row['extra_gpu_bytes'])}, host {fmt_bytes(row['extra_host_bytes'])}, "
+        f"mode {row.get('snapshot_mode', '-')}"
+    )
 
 
 def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progress) -> dict[str, Any]:
@@ -165,17 +178,7 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
                     row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 rows.append(row)
-                progress.say(
-                    f"{width}x{layers} {name} save {k + 1}: "
-                    + (
-                        row.get("error")
-                        or (
-                            f"call {fmt_seconds(row['call_seconds'])}, lost {fmt_seconds(row['lost_seconds'])}, durable "
-                            f"{fmt_seconds(row['durable_seconds'])}, extra GPU {fmt_bytes(row['extra_gpu_bytes'])}, host "
-                            f"{fmt_bytes(row['extra_host_bytes'])}, mode {row.get('snapshot_mode', '-')}"
-                        )
-                    )
-                )
+                progress.say(f"{width}x{layers} {name} save {k + 1}: {row.get('error') or summary(row)}")
         finally:
             method.close()
             release_memory(device)
@@ -211,15 +214,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt_bytes(size['state_bytes'])} of weights + AdamW state; baseline step "
             f"{fmt_seconds(size['baseline_step_seconds'])}",
             "",
-            "| method | save | save() call | training time lost | durable | stored | extra GPU | extra host | mode |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| method | save | save() call | fence held | training time lost | durable | stored "
+            "| extra GPU | extra host | mode |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in size["rows"]:
             if "unavailable" in r or "error" in r:
-                lines.append(f"| {r['method']} | {r.get('save', '-')} | {r.get('unavailable') or r['error']} ||||||| ")
+                lines.append(f"| {r['method']} | {r.get('save', '-')} | {r.get('unavailable') or r['error']} |||||||| ")
                 continue
             lines.append(
-                f"| {r['method']} | {r['save']} | {fmt_seconds(r['call_seconds'])} | {fmt_seconds(r['lost_seconds'])} "
+                f"| {r['method']} | {r['save']} | {fmt_seconds(r['call_seconds'])} "
+                f"| {fmt_seconds(r.get('gate_seconds'))} | {fmt_seconds(r['lost_seconds'])} "
                 f"| {fmt_seconds(r['durable_seconds'])} | {fmt_bytes(r['stored_bytes'])} "
                 f"| {fmt_bytes(r['extra_gpu_bytes'])} | {fmt_bytes(r['extra_host_bytes'])} "
                 f"| {r.get('snapshot_mode', '-')} |"

@@ -234,6 +234,11 @@ class Asyncckpt(Method):
                        "snapshot_mode": result.snapshot_mode, "snapshot_reason": result.snapshot_reason,
                        "io_mode": result.io_mode, "codecs": dict(result.codecs),
                        "stage_seconds": dict(result.stage_seconds)}  # fmt: skip
+            history = getattr(self._checkpointer._backend.encoder, "history", None)  # the GPU compressor's
+            if history:
+                stats = history[-1]
+                details.update(gate_seconds=stats.gate_seconds, spilled_bytes=stats.spilled_bytes,
+                               compress_notes=list(stats.notes))  # fmt: skip
             return Finished(result.durable_seconds, Path(result.path), details)
 
         return Pending(done=handle.done, finish=finish)

@@ -335,8 +335,11 @@ class GpuStager:
         plan = self._plan(tensors, here)
         on_device = [t for t, on in zip(tensors, here, strict=True) if on]
         if plan.mode == "fence":
-            spill = max(0, sum(t.nbytes for t in on_device) - plan.resident_bytes)
-            return self.pool.reserve(spilled_group_sizes([t.nbytes for t in on_device], plan.group_bytes, spill))
+            # Grouped as the compressor will group them (every leaf, in order); the last groups,
+            # beyond what may stay on the GPU, are the ones that go to pinned blocks.
+            sizes = [t.nbytes for t in tensors]
+            spill = max(0, sum(sizes) - plan.resident_bytes)
+            return self.pool.reserve(spilled_group_sizes(sizes, plan.group_bytes, spill))
         work = self.arena.preallocate if plan.mode == "device" else (lambda _tensors: None)
         thread = threading.Thread(target=work, args=(on_device,), name="asyncckpt-prealloc", daemon=True)
         thread.start()
