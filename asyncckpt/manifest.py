@@ -261,12 +261,12 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
         raise CorruptCheckpointError(f"{where}: data file name {file_name!r} is not a plain file inside the checkpoint")
     stored_bytes = f.nonnegative("stored_bytes", MAX_TENSOR_BYTES)
     chunks = f.get("chunks", list)
-    if not all(isinstance(c, list) and len(c) == 2 and all(type(n) is int and n >= 0 for n in c) for c in chunks):
-        raise CorruptCheckpointError(f"{where}: chunks must be [stored_bytes, raw_bytes] pairs of non-negative ints")
     if len(chunks) > max(1, stored_bytes):
         # Every chunk takes at least one stored byte (an empty tensor stored raw: one chunk of none), so
         # a table of millions of empty chunks is refused here, at a cost bounded by the data file's size.
         raise CorruptCheckpointError(f"{where}: {len(chunks)} chunks in {stored_bytes} stored bytes")
+    if not all(isinstance(c, list) and len(c) == 2 and all(type(n) is int and n >= 0 for n in c) for c in chunks):
+        raise CorruptCheckpointError(f"{where}: chunks must be [stored_bytes, raw_bytes] pairs of non-negative ints")
     if sum(c[0] for c in chunks) != stored_bytes or sum(c[1] for c in chunks) != raw_bytes:
         raise CorruptCheckpointError(f"{where}: chunk sizes do not add up to stored_bytes/raw_bytes")
     checksum = _Fields(f.get("checksum", dict), f"{where}: checksum")
