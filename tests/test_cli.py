@@ -52,3 +52,11 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
     proc = run_python(CLI, "inspect", str(tmp_path / "missing"), check=False)
     assert proc.returncode == 2
     assert "asyncckpt: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_without_dir_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = run_python(CLI, "demo", "--steps", "10", "--save-every", "5", "--width", "64", timeout=180,
+                      env={"TMPDIR": str(tmp_path)})  # fmt: skip
+    assert "bit-for-bit equal" in proc.stdout and "removed " in proc.stdout
+    # Neither the checkpoints nor the torch.save scratch directory (torch may leave its own inductor cache).
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncckpt")] == []

@@ -1,0 +1,70 @@
+"""Progress bars: drawn on stderr when it is a terminal (a real pseudo-terminal here), absent otherwise."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli_env import REPO, cli, saved_run
+
+from asyncckpt.commands._progress import Progress, ReadProgress
+
+
+def _with_terminal_stderr(*args: str | Path) -> tuple[int, str, str]:
+    """Run ``asyncckpt ARGS`` with stderr on a pseudo-terminal; returns (status, stdout, what the terminal got)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    stdout, _ = proc.communicate(timeout=60)
+    return proc.returncode, stdout.decode(), seen.decode(errors="replace")
+
+
+def test_verify_and_convert_draw_a_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    saved_run(tmp_path / "run")
+    status, stdout, terminal = _with_terminal_stderr("verify", tmp_path / "run")
+    assert status == 0 and stdout.startswith("OK:")
+    assert "verify: 100% [########################]" in terminal and " MB" in terminal, terminal
+    status, _, terminal = _with_terminal_stderr("convert", tmp_path / "run", tmp_path / "out", "--codec", "none")
+    assert status == 0 and "read step-0000000002: 100%" in terminal, terminal
+
+    piped = cli("verify", tmp_path / "run")  # stderr is a pipe: no bar
+    assert piped.returncode == 0 and piped.stderr == ""
+
+
+def test_the_bar_moves_with_the_work() -> None:
+    stream = io.StringIO()
+    with Progress("steps", 4, unit="steps", stream=stream, enabled=True, interval_seconds=0.0) as bar:
+        for _ in range(4):
+            bar.advance(1)
+    frames = stream.getvalue().split("\r")[1:]
+    assert [frame.split(":")[1].split("%")[0].strip() for frame in frames[:4]] == ["25", "50", "75", "100"]
+    assert frames[-1].endswith("\n") and "4/4 steps" in frames[-1]
+
+
+def test_read_progress_follows_the_bytes_this_process_reads(tmp_path: Path) -> None:
+    data = tmp_path / "blob"
+    data.write_bytes(os.urandom(4 << 20))
+    stream = io.StringIO()
+    progress = ReadProgress("read", 4 << 20, stream=stream, enabled=True)
+    progress.bar.interval_seconds = 0.005
+    with progress, open(data, "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            time.sleep(0.05)  # slower than the sampler: it sees the partial reads
+    percents = [int(frame.split(":")[1].split("%")[0]) for frame in stream.getvalue().split("\r")[1:]]
+    assert percents[-1] == 100 and any(0 < p < 100 for p in percents), percents
