@@ -32,7 +32,8 @@ from typing import Any
 from .backend import build_backend
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
-from .layout import MAX_STEP, checkpoint_name, remove_stale_temporaries
+from .layout import MAX_STEP, checkpoint_name, discard_steps_after, latest_step, remove_stale_temporaries
+from .manifest import MANIFEST_NAME
 from .observer import GuardedObserver, NullObserver, SaveObserver
 from .options import resolve_options
 from .persist import SaveJob, persist
@@ -129,7 +130,7 @@ class AsyncCheckpointer:
                 raise CheckpointError(f"step {step} is being saved in {self.directory} (by this or another "
                                       "thread); use a new step number")  # fmt: skip
             if os.path.lexists(self.directory / checkpoint_name(step)):
-                raise CheckpointError(f"step {step} is already saved in {self.directory}; use a new step number")
+                raise CheckpointError(_taken_message(self.directory, step))
             self._reserved.add(step)
             self._entered += 1
 
@@ -217,6 +218,16 @@ class AsyncCheckpointer:
         self._backend.close()
         self._raise_unreported()
 
+    def discard_steps_after(self, step: int) -> list[int]:
+        """Delete the committed checkpoints above ``step``; returns their steps. Training thread.
+
+        For a job restarted from checkpoint ``step`` (a new timeline): its later checkpoints are
+        kept by retention and refuse their step numbers as "already saved" until this removes
+        them. Waits for in-flight saves first.
+        """
+        self.wait()
+        return discard_steps_after(self.directory, step)
+
     @property
     def observer_errors(self) -> int:
         """How many times an observer hook raised (each is logged; the save itself went on)."""
@@ -299,6 +310,20 @@ class AsyncCheckpointer:
                      result.stored_bytes, result.durable_seconds)  # fmt: skip
             self._observer.save_finished(result, inflight)
             handle._finish(result)
+
+
+def _taken_message(directory: Path, step: int) -> str:
+    """Why ``step`` cannot be saved in ``directory``, whose entry of that name exists, and what to do."""
+    path = directory / checkpoint_name(step)
+    if path.is_symlink() or not (path / MANIFEST_NAME).is_file():
+        return (f"{path} exists but is not a checkpoint (a symlink, or a directory without {MANIFEST_NAME}); "
+                "move it away to save this step")  # fmt: skip
+    latest = latest_step(directory)
+    if latest is not None and latest < step:
+        return (f"step {step} is already saved in {directory}, by a run whose checkpoints lie after the latest one "
+                f"(step {latest}): this run restarted from an earlier checkpoint. Call discard_steps_after({latest}) "
+                "to remove that abandoned timeline, or use a new step number")  # fmt: skip
+    return f"step {step} is already saved in {directory}; use a new step number"
 
 
 def _release_quietly(job: SaveJob) -> None:

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .commit_points import reached
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, read_regular_file
 
@@ -36,7 +37,16 @@ LATEST_NAME = "latest"
 MAX_STEP = 1 << 62
 """Largest step saved: the manifest reader's bound, and 19 digits, inside the ``step-*`` name pattern."""
 _CKPT_DIR = re.compile(r"step-(\d{10,20})")
-_TMP_DIR = re.compile(r"\.tmp-step-\d+-(?P<host>[^/]+)-(?P<pid>\d+)-[0-9a-f]+")
+_HOST = r"(?P<host>[A-Za-z0-9._]+)"
+_LEFTOVERS = (
+    ("tmp", re.compile(rf"\.tmp-step-\d+-{_HOST}-(?P<pid>\d+)-[0-9a-f]+")),
+    ("deleting", re.compile(rf"\.deleting-step-\d+-{_HOST}-(?P<pid>\d+)-[0-9a-f]{{8}}")),
+    ("deleting", re.compile(r"\.deleting-step-\d+-[0-9a-f]{8}")),  # older versions': no owner, always doomed
+    ("latest", re.compile(rf"\.latest\.(?:{_HOST}\.)?(?P<pid>\d+)\.[0-9a-f]{{8}}")),
+    ("committing", re.compile(rf"\.committing-(?P<name>step-\d{{10,20}})-{_HOST}-(?P<pid>\d+)-[0-9a-f]{{8}}")),
+)
+"""What a killed save can leave in a run directory (:func:`remove_stale_temporaries`)."""
+_COMMITTING = _LEFTOVERS[-1][1]
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,11 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[CheckpointInfo]:
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
-    """The checkpoint the ``latest`` pointer names, else the highest committed step, else None."""
+    """The checkpoint :func:`latest_pointer` names, else the highest committed step, else None.
+
+    After a save at a lower step than the newest (a restart from an earlier checkpoint), the
+    pointer names that lower step: latest is the most recently committed, not the highest.
+    """
     root = Path(directory)
     committed = list_checkpoints(root)
     name = latest_pointer(root)
@@ -88,19 +102,38 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | Non
 
 
 def latest_pointer(directory: str | os.PathLike[str]) -> str | None:
-    """The name the ``latest`` pointer holds, or None when it is missing or unreadable."""
+    """The name of the latest checkpoint by the ``latest`` pointer, or None when it is missing or unreadable.
+
+    A committed step with a ``.committing-*`` marker (:func:`commit`: renamed, pointer not yet
+    moved, perhaps never, if its process was killed) is named instead of what the file holds.
+    """
+    root = Path(directory)
+    committing = _committing_step(root)
+    if committing is not None:
+        return committing
     try:
-        return read_regular_file(Path(directory) / LATEST_NAME, 4096).decode("utf-8").strip()
+        return read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def _committing_step(root: Path) -> str | None:
+    """The newest committed step a ``.committing-*`` marker names, if any."""
+    names = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _COMMITTING.fullmatch(entry.name)
+            if match and (root / match.group("name") / MANIFEST_NAME).is_file():
+                names.append(match.group("name"))
+    return max(names, key=lambda n: int(n[len("step-") :]), default=None)
 
 
 def pointer_reaches(directory: str | os.PathLike[str], step: int) -> bool:
     """Whether a reader of ``latest`` now gets ``step`` or a later one, once ``step`` is committed.
 
-    False only while the pointer still names an earlier committed step: the short window between a
-    commit's rename and its pointer update (see :func:`commit`), which a rank that learns of the
-    commit from the renamed directory must wait out before it reads ``latest``.
+    False only while the pointer still names an earlier committed step: :func:`commit` moves the
+    pointer before the rename, so this is only seen after a commit by an asyncckpt that renamed
+    first, which a rank that learns of the commit from the renamed directory must wait out.
     """
     root = Path(directory)
     name = latest_pointer(root)
@@ -138,22 +171,57 @@ def resolve_checkpoint(directory_or_checkpoint: str | os.PathLike[str], step: in
 
 
 def commit(tmp_dir: Path, final_dir: Path) -> None:
-    """Make a fully written, fsynced ``tmp_dir`` visible as ``final_dir`` and point ``latest`` at it."""
-    publish(tmp_dir, final_dir)
-    # From here on the checkpoint is committed: a pointer that cannot be written is a warning, and
-    # the stale pointer is removed so readers fall back to the highest committed step.
+    """Make a fully written ``tmp_dir`` visible as ``final_dir`` and point ``latest`` at it. Worker thread.
+
+    Between the rename and the pointer update a ``.committing-step-*`` marker exists: a process
+    killed there leaves ``latest`` one step behind a committed directory, and the marker makes
+    readers (:func:`latest_pointer`) take the committed step instead, until the next checkpointer
+    moves the pointer forward (:func:`remove_stale_temporaries`). Without it, a job resuming at
+    ``latest_step() + 1`` found that step "already saved" forever.
+
+    A pointer that cannot be written is a warning (it is removed, so readers fall back to the
+    highest step), and so is a failed fsync of the run directory after the rename: the new
+    directory is then visible to every reader and the step counts as saved, but the rename may
+    not survive a power loss.
+    """
+    fsync_dir(tmp_dir)
     root = final_dir.parent
-    pointer_tmp = root / f".{LATEST_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    if os.path.lexists(final_dir):
+        raise CheckpointError(f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it")
+    marker = root / f".committing-{final_dir.name}-{_host_label()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(marker, "xb"):
+        pass  # an empty file: its name says it all
+    try:
+        reached("marker-written")
+        os.rename(tmp_dir, final_dir)
+        try:
+            reached("renamed")
+            fsync_dir(root)
+        except OSError as exc:
+            log.warning("asyncckpt: %s is committed and visible, but fsync of %s failed (%s): the rename may not "
+                        "survive a power loss", final_dir, root, exc)  # fmt: skip
+        _point_latest(root, final_dir.name)
+        reached("pointer-replaced")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+    reached("committed")
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Atomically replace ``root/latest`` with ``name``; on failure remove it (a warning, not an error)."""
+    pointer_tmp = root / f".{LATEST_NAME}.{_host_label()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         with open(pointer_tmp, "w", encoding="utf-8") as f:
-            f.write(final_dir.name + "\n")
+            f.write(name + "\n")
             f.flush()
             os.fsync(f.fileno())
+        reached("pointer-temp-written")
         os.replace(pointer_tmp, root / LATEST_NAME)
         fsync_dir(root)
     except OSError as exc:
-        log.warning("asyncckpt: %s is committed, but the %r pointer could not be updated: %s", final_dir,
-                    LATEST_NAME, exc)  # fmt: skip
+        log.warning("asyncckpt: the %r pointer in %s could not be set to %s (readers fall back to the highest "
+                    "committed step): %s", LATEST_NAME, root, name, exc)  # fmt: skip
         for stale in (pointer_tmp, root / LATEST_NAME):
             with contextlib.suppress(OSError):
                 os.unlink(stale)
@@ -168,7 +236,7 @@ def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
     """
     fsync_dir(tmp_dir)
     old = None
-    if final_dir.exists():
+    if os.path.lexists(final_dir):
         if not replace:
             raise CheckpointError(
                 f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it"
@@ -181,37 +249,59 @@ def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
 
 
 def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> list[Path]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; returns what was deleted.
+    """Delete checkpoints of this timeline beyond the newest ``keep_last``; returns what was deleted.
 
-    Never deletes ``protect`` (the checkpoint just committed) or the newest committed one.
+    This timeline is the committed steps up to ``protect`` (the checkpoint just committed). Steps
+    above it were saved before a restart from an earlier checkpoint (an abandoned timeline): they
+    are neither counted nor deleted here, since the new timeline's checkpoints are the ones to
+    keep; :func:`discard_steps_after` removes them when asked. Symlinks are never checkpoints
+    (:func:`list_checkpoints`), so retention never follows or deletes one.
     """
     if keep_last is None:
         return []
-    committed = list_checkpoints(directory)
-    keep = {c.path for c in committed[-keep_last:]} | {protect}
-    if committed:
-        keep.add(committed[-1].path)
+    match = _CKPT_DIR.fullmatch(protect.name)
+    ceiling = int(match.group(1)) if match else None
+    timeline = [c for c in list_checkpoints(directory) if ceiling is None or c.step <= ceiling]
+    keep = {c.path for c in timeline[-keep_last:]} | {protect}
     deleted = []
-    for info in committed:
+    for info in timeline:
         if info.path not in keep:
             delete_checkpoint_dir(info.path)
             deleted.append(info.path)
     return deleted
 
 
+def discard_steps_after(directory: str | os.PathLike[str], step: int) -> list[int]:
+    """Delete the committed checkpoints above ``step`` (an abandoned timeline); returns their steps.
+
+    For a run restarted from checkpoint ``step``: its later steps would otherwise be refused as
+    "already saved" when the new timeline reaches them. Calling thread; no save may be in flight.
+    """
+    doomed = [c for c in list_checkpoints(directory) if c.step > step]
+    for info in doomed:
+        delete_checkpoint_dir(info.path)
+    return [c.step for c in doomed]
+
+
 def _move_aside(path: Path) -> Path:
     """Rename ``path`` to a hidden ``.deleting-*`` name beside it and return that name.
 
-    Rename first, delete after: a reader never sees a half-deleted directory as a checkpoint.
+    Rename first, delete after: a reader never sees a half-deleted directory as a checkpoint. The
+    name holds this host and pid, so a later checkpointer removes it only once this process is dead.
     """
-    doomed = path.with_name(f".deleting-{path.name}-{uuid.uuid4().hex[:8]}")
+    doomed = path.with_name(f".deleting-{path.name}-{_host_label()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     return doomed
 
 
 def delete_checkpoint_dir(path: Path) -> None:
-    """Delete a checkpoint directory without it ever looking half-deleted."""
-    shutil.rmtree(_move_aside(path), ignore_errors=True)
+    """Delete a checkpoint directory without it ever looking half-deleted; a symlink: only the link."""
+    if path.is_symlink():
+        path.unlink()  # never follow it: its target is not ours to delete
+        return
+    doomed = _move_aside(path)
+    reached("retention-moved-aside")
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _host_label() -> str:
@@ -220,16 +310,53 @@ def _host_label() -> str:
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove ``.tmp-*`` directories left by dead processes of this host (a crash mid-save)."""
+    """Remove what dead processes of this host left in ``directory``; returns the paths removed.
+
+    The kinds a single-process save leaves when killed: ``.tmp-step-*`` directories (a save in
+    progress), ``.deleting-step-*`` directories (retention in progress), ``.latest.*`` files (a
+    pointer update in progress) and ``.committing-step-*`` markers (a commit whose pointer update
+    may not have happened: ``latest`` is moved to its step first, if that step is committed).
+    Each name holds its owner's host and pid, and only those whose owner is on this host and no
+    longer running are removed: never another live process's, never another host's (its pids
+    mean nothing here), never the distributed protocol's (rank 0 cleans those, by session), and
+    never a symlink (not ours). A recycled pid keeps a leftover until the next start; that errs
+    on the safe side.
+    """
     host = _host_label()
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
-            match = _TMP_DIR.fullmatch(entry.name)
-            if match and match.group("host") == host and not _pid_alive(int(match.group("pid"))):
+            found = next(((kind, m) for kind, m in ((k, r.fullmatch(entry.name)) for k, r in _LEFTOVERS) if m), None)
+            if found is None or entry.is_symlink():
+                continue
+            kind, match = found
+            owner = match.groupdict()
+            if (owner.get("host") or host) != host or (owner.get("pid") and _pid_alive(int(owner["pid"]))):
+                continue
+            if kind == "committing":
+                _finish_pointer(directory, match.group("name"))
+            if kind in ("latest", "committing"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            else:
                 shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
+            removed.append(Path(entry.path))
     return removed
+
+
+def _finish_pointer(root: Path, name: str) -> None:
+    """Move ``latest`` forward to ``name``, committed by a process killed before it could (see :func:`commit`)."""
+    if not (root / name / MANIFEST_NAME).is_file():
+        return  # killed before its rename: nothing was committed
+    try:
+        current = read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        current = None
+    match = _CKPT_DIR.fullmatch(current or "")
+    if match is None or int(match.group(1)) < int(name[len("step-") :]):
+        _point_latest(root, name)
+        log.info("asyncckpt: %s was committed by a process killed before it updated %r; it is the latest now",
+                 root / name, LATEST_NAME)  # fmt: skip
 
 
 def _pid_alive(pid: int) -> bool:

@@ -23,10 +23,10 @@ from typing import Any
 from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
+from .commit_points import reached
 from .dtypes import dtype_name
-from .errors import CheckpointError
 from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Checksum, Manifest, TensorRecord
+from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord, manifest_json
 from .result import SaveResult
 from .snapshot import Snapshot
 from .storage import Storage
@@ -147,6 +147,9 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
 def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
     """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread."""
     final = root / checkpoint_name(job.step)
+    if not root.is_dir():  # deleted mid-run: every later save would fail without it
+        log.warning("asyncckpt: the run directory %s is gone; recreating it", root)
+        root.mkdir(parents=True, exist_ok=True)
     result = persist_to(job, final, encoder, storage)
     retain_quietly(root, keep_last, protect=final)
     return result
@@ -172,14 +175,17 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
     tmp = temporary_dir(final.parent, job.step)
     try:
         os.mkdir(tmp)
+        reached("tmp-created")
         part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE)
+        reached("data-written")
         began = time.perf_counter()
         for name, data in job.files.items():
             write_durably(tmp / name, data)
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
                             tensors=part.records, structure=job.skeleton, metadata=job.metadata,
                             io_mode=storage.io_mode)  # fmt: skip
-        write_durably(tmp / MANIFEST_NAME, checked_manifest_json(manifest, final))
+        write_durably(tmp / MANIFEST_NAME, manifest_json(manifest, final))
+        reached("manifest-written")
         if point_latest:
             commit(tmp, final)
         else:
@@ -197,21 +203,6 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         durable_seconds=time.perf_counter() - job.started,
         gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
-
-
-def checked_manifest_json(manifest: Manifest, final: Path) -> bytes:
-    """The manifest's JSON, or an error if load() would refuse its size. Worker thread.
-
-    ``save()`` refuses states whose str and bytes values alone are too large; this catches the
-    rest (e.g. millions of tensors) before anything is committed.
-    """
-    data = manifest.to_json()
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(
-            f"{final}: the manifest would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} load() "
-            "accepts; not committed. Store fewer, larger tensors, or large str/bytes values as uint8 tensors"
-        )
-    return data
 
 
 def write_durably(path: Path, data: bytes) -> None:

@@ -20,14 +20,26 @@ from asyncckpt.layout import LATEST_NAME
 def test_failure_before_the_data_file_releases_the_staging_slot(run_dir: Path) -> None:
     with asyncckpt.AsyncCheckpointer(run_dir, max_inflight=1) as ckpt:
         ckpt.save(1, {"w": torch.ones(8)}).result()
-        shutil.rmtree(run_dir)  # the temporary directory cannot be created: the save fails early
-        with pytest.raises(asyncckpt.SaveFailedError, match="FileNotFoundError"):
+        shutil.rmtree(run_dir)
+        run_dir.write_bytes(b"")  # a file where the run directory was: the save fails before any write
+        with pytest.raises(asyncckpt.SaveFailedError, match="FileExistsError"):
             ckpt.save(2, {"w": torch.ones(8)}).result()
-        run_dir.mkdir()
+        run_dir.unlink()
         with pytest.raises(asyncckpt.SaveFailedError):
             ckpt.save(3, {"w": torch.ones(8)})  # reports step 2's failure once
         ckpt.save(4, {"w": torch.full((8,), 4.0)}).result()  # would block forever on a leaked slot
     assert asyncckpt.latest_step(run_dir) == 4
+
+
+def test_a_run_directory_deleted_mid_run_is_recreated(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(run_dir) as ckpt:
+        ckpt.save(1, {"w": torch.ones(8)}).result()
+        shutil.rmtree(run_dir)
+        ckpt.save(2, {"w": torch.full((8,), 2.0)}).result()
+        ckpt.save(3, {"w": torch.full((8,), 3.0)}).result()
+    assert "is gone; recreating it" in caplog.text
+    assert [c.step for c in asyncckpt.list_checkpoints(run_dir)] == [2, 3]
+    assert asyncckpt.latest_step(run_dir) == 3 and float(asyncckpt.load(run_dir)["w"][0]) == 3.0
 
 
 @pytest.mark.timeout(60)
@@ -58,7 +70,7 @@ def test_a_pointer_that_cannot_be_written_does_not_fail_a_committed_save(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(run_dir) as ckpt:
         result = ckpt.save(7, {"w": torch.ones(3)}).result()
     assert result.path == run_dir / "step-0000000007"
-    assert "is committed, but the 'latest' pointer could not be updated" in caplog.text
+    assert "the 'latest' pointer in" in caplog.text and "could not be set to step-0000000007" in caplog.text
     assert asyncckpt.latest_step(run_dir) == 7  # readers fall back to the highest committed step
     assert torch.equal(asyncckpt.load(run_dir)["w"], torch.ones(3))
 

@@ -40,10 +40,11 @@ from typing import Any
 
 from .._version import __version__
 from ..codecs import Encoder
+from ..commit_points import reached
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, commit, fsync_dir, pointer_reaches
-from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, checked_manifest_json, retain_quietly, write_durably, write_part
+from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, manifest_json, parse_manifest, read_manifest
+from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -129,9 +130,11 @@ def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, stora
     marker = abort_marker(root, job.step, ctx.session)
     if marker.exists():  # the committer already gave up on this step: do not write into it
         raise RankFailedError(f"step {job.step} was aborted before rank {ctx.rank} wrote: {_reason(marker)}")
+    root.mkdir(parents=True, exist_ok=True)  # deleted mid-run: recreate it, as a single-process save does
     tmp.mkdir(exist_ok=True)  # every rank races to create it; all get the same directory
     data_path = tmp / data_file_name(ctx.rank)
     part = write_part(job.snapshot, encoder, storage, data_path)  # releases the snapshot, cleans up on failure
+    reached("data-written")
     own = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__, tensors=part.records,
                    structure=job.skeleton, metadata={"rank": ctx.rank, "session": ctx.session, "user": job.metadata},
                    io_mode=storage.io_mode)  # fmt: skip
@@ -140,7 +143,7 @@ def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, stora
     scratch = tmp / f".{part_file_name(ctx.rank)}.writing"
     with contextlib.suppress(FileNotFoundError):
         scratch.unlink()
-    write_durably(scratch, own.to_json())
+    write_durably(scratch, manifest_json(own, tmp))
     os.rename(scratch, tmp / part_file_name(ctx.rank))
     fsync_dir(tmp)
     return part
@@ -207,7 +210,8 @@ def _commit_as_rank0(job: SaveJob, root: Path, tmp: Path, storage: Storage, ctx:
         manifest = _combined_manifest(job, tmp, ctx, storage)
         for rank in ctx.writers:
             (tmp / part_file_name(rank)).unlink()
-        write_durably(tmp / MANIFEST_NAME, checked_manifest_json(manifest, final))
+        write_durably(tmp / MANIFEST_NAME, manifest_json(manifest, final))
+        reached("manifest-written")
         commit(tmp, final)
     except BaseException as exc:
         _abort(root, tmp, job.step, ctx, f"rank 0 could not commit: {type(exc).__name__}: {exc}")
