@@ -22,23 +22,38 @@ Lightning puts objects in a checkpoint that asyncckpt does not pickle: dict subc
 ``AttributeDict`` hyper-parameters are stored as plain dicts; anything else unsupported raises a
 ``TypeError`` naming its key (drop it, or convert it in ``on_save_checkpoint``).
 
+Loading: ``load_checkpoint`` puts every tensor on the CPU unless given a ``map_location`` device,
+as Lightning's ``TorchCheckpointIO`` does (Lightning passes none; ``load_state_dict`` then copies
+into the model's device), so a checkpoint saved on a GPU resumes on a CPU-only machine.
+``LightningModule.load_from_checkpoint(path)`` reads ``path`` with ``torch.load`` itself, never
+through a ``CheckpointIO`` plugin, and fails on these directories (``IsADirectoryError``); call
+:func:`load_from_checkpoint` (``load_from_checkpoint(MyModel, path)``) instead, or add
+:class:`AsyncCkptLoadable` to the module's bases so ``MyModel.load_from_checkpoint(path)`` reads both
+kinds. Both hand Lightning's own ``load_from_checkpoint`` the checkpoint as a ``torch.save``
+stream, so hyper-parameters, ``strict``, ``map_location`` and ``on_load_checkpoint`` behave as
+upstream.
+
 Threads: every method runs on the training thread (Lightning calls them on global rank 0 only).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ..loader import load
+from ..manifest import MANIFEST_NAME
 from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
 
-__all__ = ["AsyncCkptIO"]
+__all__ = ["AsyncCkptIO", "AsyncCkptLoadable", "load_from_checkpoint"]
+
+ModuleT = TypeVar("ModuleT")
 
 
 class AsyncCkptIO(CheckpointIO):
@@ -67,11 +82,15 @@ class AsyncCkptIO(CheckpointIO):
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:  # fmt: skip
-        """Load a checkpoint this plugin wrote. Never unpickles anything, so ``weights_only`` is moot."""
+        """Load a checkpoint this plugin wrote. Never unpickles anything, so ``weights_only`` is moot.
+
+        ``map_location``: a device (``"cpu"``, ``"cuda:0"``) for every tensor; None, or Lightning's
+        default callable, loads to the CPU as ``TorchCheckpointIO`` does. Other callables and dicts
+        cannot be honoured without pickle's storage hooks and are refused.
+        """
         if self._checkpointer is not None:
             self._checkpointer.wait_for(path)
-        location = map_location if isinstance(map_location, (str, torch.device)) else None
-        state = load(path, map_location=location)
+        state = load(path, map_location=_device(map_location))
         if not isinstance(state, dict):
             raise TypeError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
         return state
@@ -86,6 +105,56 @@ class AsyncCkptIO(CheckpointIO):
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             checkpointer.close()
+
+
+def _device(map_location: Any) -> str | torch.device:
+    if map_location is None:
+        return "cpu"
+    if isinstance(map_location, (str, torch.device)):
+        return map_location
+    if callable(map_location) and map_location(torch.empty(0).untyped_storage(), "cpu").device.type == "cpu":
+        return "cpu"  # TorchCheckpointIO's default `lambda storage, loc: storage` keeps storages on the CPU
+    raise TypeError(f"AsyncCkptIO.load_checkpoint: map_location must be a device ('cpu', 'cuda:0') or None (the "
+                    f"CPU, as TorchCheckpointIO), got {map_location!r}")  # fmt: skip
+
+
+def is_asyncckpt_checkpoint(path: Any) -> bool:
+    """True when ``path`` is a checkpoint directory written by :class:`AsyncCkptIO`."""
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST_NAME).is_file()
+
+
+def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: str | os.PathLike[str], **kwargs: Any) -> ModuleT:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a checkpoint directory :class:`AsyncCkptIO` wrote.
+
+    Reads and verifies it on the CPU, then hands Lightning's own ``load_from_checkpoint`` the state
+    as an in-memory ``torch.save`` stream (Lightning reads streams with ``torch.load``, no plugin), so
+    ``map_location``, ``strict``, ``hparams_file`` and the hyper-parameter overrides in ``kwargs`` act as
+    upstream. Holds the state twice in host memory meanwhile. Calling thread.
+    """
+    if not is_asyncckpt_checkpoint(checkpoint_path):
+        upstream = f"{cls.__name__}.load_from_checkpoint"
+        raise FileNotFoundError(f"{checkpoint_path}: not a checkpoint directory written by AsyncCkptIO (no "
+                                f"{MANIFEST_NAME}); for a torch.save file, call {upstream}")  # fmt: skip
+    stream = io.BytesIO()
+    torch.save(load(checkpoint_path, map_location="cpu"), stream)
+    stream.seek(0)
+    # A stream: Lightning's own loader (AsyncCkptLoadable passes streams through to it too).
+    module: ModuleT = cls.load_from_checkpoint(stream, **kwargs)  # type: ignore[attr-defined]
+    return module
+
+
+class AsyncCkptLoadable:
+    """LightningModule mixin: ``MyModel.load_from_checkpoint(path)`` also reads :class:`AsyncCkptIO` directories.
+
+    ``class MyModel(AsyncCkptLoadable, L.LightningModule)``; a ``torch.save`` file or stream is read by
+    Lightning as before.
+    """
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or not is_asyncckpt_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        return load_from_checkpoint(cls, checkpoint_path, **kwargs)
 
 
 def _plain(value: Any) -> Any:
