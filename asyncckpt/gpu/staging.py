@@ -39,6 +39,7 @@ from ..tree import FlatState
 from . import fence
 from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging
 from .pinned_pool import PinnedPool
+from .scratch import ScratchPool
 from .snapshot import BlobChannel, GpuSnapshot
 
 log = logging.getLogger("asyncckpt")
@@ -194,6 +195,7 @@ class GpuStager:
         host_budget_bytes: int | None = None,
         register: Callable[[torch.Tensor], None] | None = None,
         deregister: Callable[[torch.Tensor], None] | None = None,
+        scratch: ScratchPool | None = None,
     ) -> None:
         if mode not in ("auto", "device", "fence", "host"):
             raise ValueError(f"snapshot mode must be auto, device, fence or host; got {mode!r}")
@@ -203,6 +205,7 @@ class GpuStager:
         self.window_bytes = window_bytes
         self.gpu_budget_bytes = gpu_budget_bytes
         self._submit = submit
+        self._scratch = scratch
         self.arena = DeviceArena(slots, device, register, deregister)
         self.host = HostStager(slots=slots, budget_bytes=host_budget_bytes)
         self.pool = PinnedPool(self.host.budget_bytes)
@@ -282,8 +285,10 @@ class GpuStager:
         budget = self.gpu_budget_bytes
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
-            # Our own arena is reused by the next save, so it counts as available to it.
-            budget = default_gpu_budget(free + self.arena.allocated_bytes)
+            # Our own arena and the compressor's cached scratch are reused by the next save, so
+            # they count as available to it (:mod:`asyncckpt.gpu.scratch` says why).
+            cached = self._scratch.cached_bytes if self._scratch is not None else 0
+            budget = default_gpu_budget(free + self.arena.allocated_bytes + cached)
         return plan_staging(
             self.mode, device_bytes, budget, self.arena.allocated_bytes, self.slots, largest, self.window_bytes
         )
