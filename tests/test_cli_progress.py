@@ -41,7 +41,7 @@ def test_verify_and_convert_draw_a_bar_on_a_terminal_only(tmp_path: Path) -> Non
     assert status == 0 and stdout.startswith("OK:")
     assert "verify: 100% [########################]" in terminal and " MB" in terminal, terminal
     status, _, terminal = _with_terminal_stderr("convert", tmp_path / "run", tmp_path / "out", "--codec", "none")
-    assert status == 0 and "read step-0000000002: 100%" in terminal, terminal
+    assert status == 0 and "read step-0000000002: 100%" in terminal and "write 2: 100%" in terminal, terminal
 
     piped = cli("verify", tmp_path / "run")  # stderr is a pipe: no bar
     assert piped.returncode == 0 and piped.stderr == ""

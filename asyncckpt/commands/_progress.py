@@ -81,17 +81,19 @@ class ReadProgress:
     The call runs unchanged on the calling thread; while it does, a daemon thread samples the bytes
     this process has read (``rchar`` in ``/proc/self/io``: every ``read``/``pread`` syscall, which is
     how POSIX and KvikIO compat-mode reads reach the disk) and draws them against ``total_bytes``.
-    Without ``/proc`` (not Linux) or without a terminal there is no thread and no bar.
+    ``counter="wchar"`` follows writes instead (``convert``'s output). Without ``/proc`` (not Linux)
+    or without a terminal there is no thread and no bar.
     """
 
-    def __init__(self, what: str, total_bytes: int, *, stream: TextIO | None = None,
+    def __init__(self, what: str, total_bytes: int, *, counter: str = "rchar", stream: TextIO | None = None,
                  enabled: bool | None = None) -> None:  # fmt: skip
         self.bar = Progress(what, total_bytes, stream=stream, enabled=enabled)
+        self.counter = counter
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> ReadProgress:
-        start = _bytes_read()
+        start = _io_bytes(self.counter)
         if self.bar.enabled and start is not None:
             self._thread = threading.Thread(target=self._sample, args=(start,), name="asyncckpt-progress", daemon=True)
             self._thread.start()
@@ -107,17 +109,18 @@ class ReadProgress:
 
     def _sample(self, start: int) -> None:
         while not self._stop.wait(self.bar.interval_seconds):
-            now = _bytes_read()
+            now = _io_bytes(self.counter)
             if now is None:
                 return
             self.bar.advance(min(now - start, self.bar.total) - self.bar.done)
 
 
-def _bytes_read() -> int | None:
+def _io_bytes(counter: str) -> int | None:
+    """This process' ``rchar`` (bytes read) or ``wchar`` (bytes written) so far; None without ``/proc``."""
     try:
         with open("/proc/self/io") as f:
             for line in f:
-                if line.startswith("rchar:"):
+                if line.startswith(f"{counter}:"):
                     return int(line.split()[1])
     except OSError:
         pass

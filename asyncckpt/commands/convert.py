@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         )
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        result = persist(job, out_dir, encoder, storage, keep_last=None)
+        # The bar counts toward the raw size; compressed output ends short of it, and the bar then fills.
+        with ReadProgress(f"write {manifest.step}", manifest.raw_bytes, counter="wchar"):
+            result = persist(job, out_dir, encoder, storage, keep_last=None)
     finally:
         close = getattr(encoder, "close", None)
         if close is not None:
