@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .dtypes import NAME_BY_DTYPE
+from .floats import float_text
 
 MAX_DEPTH = 64
 """Deepest container nesting accepted on save and on load (state dicts nest 4-6 deep)."""
@@ -211,7 +212,7 @@ def describe(frame: Frame) -> tuple[dict[str, Any], list[str]]:
         if kind is int:
             return {"t": "int", "v": value}
         if kind is float:
-            return {"t": "float", "v": value.hex()}  # type: ignore[attr-defined]
+            return {"t": "float", "v": float_text(value)}  # type: ignore[arg-type]
         if kind is str:
             return {"t": "str", "v": value}
         if value is None:

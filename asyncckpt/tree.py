@@ -16,7 +16,7 @@ Node forms (``t`` is the tag)::
     {"t": "dict" | "odict", "items": [[key_node, value_node], ...]}
     {"t": "list" | "tuple" | "size", "items": [node, ...]}
     {"t": "tensor", "id": <index into the manifest's tensor table>}
-    {"t": "int", "v": 3}        {"t": "float", "v": "0x1.8p+1"}  (float.hex: exact, nan/inf too)
+    {"t": "int", "v": 3}        {"t": "float", "v": "0x1.8p+1"}  (exact: asyncckpt.floats, NaN bits too)
     {"t": "str", "v": "..."}    {"t": "bool", "v": true}          {"t": "none"}
     {"t": "bytes", "v": "<base64>"}   {"t": "dtype", "v": "bfloat16"}   {"t": "device", "v": "cuda:0"}
 
@@ -40,6 +40,7 @@ import torch
 
 from .dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
 from .errors import CorruptCheckpointError
+from .floats import float_from_text, float_text
 from .frame import MAX_DEPTH, MAX_INT_BITS, Frame, Unusual, alias_index, capture
 from .manifest import MAX_MANIFEST_BYTES
 
@@ -201,7 +202,7 @@ def _walk(state: object) -> FlatState:
         if isinstance(obj, int):
             return {"t": "int", "v": _storable_int(int(obj), where)}
         if isinstance(obj, float):
-            return {"t": "float", "v": float(obj).hex()}
+            return {"t": "float", "v": float_text(float(obj))}
         if isinstance(obj, str):
             value = str.__str__(obj)  # the value itself; str() of a (str, Enum) member is 'Color.RED'
             count_text(len(value), where)
@@ -414,7 +415,7 @@ def _scalar(tag: str, value: object, bad: Callable[[str], CorruptCheckpointError
     assert isinstance(value, (bool, int, str))
     try:
         if tag == "float":
-            return float.fromhex(str(value))
+            return float_from_text(str(value))
         if tag == "bytes":
             return base64.b64decode(str(value), validate=True)
         if tag == "dtype":
