@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from cli_env import REPO
+from conftest import run_python
 
 from asyncckpt.errors import gpu_extra_hint
-from asyncckpt.gpu.deps import extra_for_torch
+from asyncckpt.gpu.deps import extra_for_torch, mismatched_distributions
 from asyncckpt.gpu.deps import gpu_extra_hint as hint_for
 
 
@@ -50,3 +51,23 @@ def test_the_gpu_extras_pin_the_versions_that_ran_with_major_caps() -> None:
         assert pins[f"kvikio-cu{cuda}"] == f"kvikio-cu{cuda}>=26.10,<27"
         assert pins[f"cupy-cuda{cuda}x"] == f"cupy-cuda{cuda}x>=14.2,<15"
         assert all(",<" in spec for spec in pins.values()), pins
+
+
+def test_gpu_packages_for_the_other_cuda_major_are_named() -> None:
+    cu12_stack = ["cupy-cuda12x", "nvidia_nvcomp_cu12", "kvikio-cu12", "torch"]
+    assert mismatched_distributions("13.0", cu12_stack) == ["cupy-cuda12x", "kvikio-cu12", "nvidia-nvcomp-cu12"]
+    assert mismatched_distributions("12.8", cu12_stack) == []
+    assert mismatched_distributions("13.0", ["cupy-cuda12x", "cupy-cuda13x"]) == []  # torch's own one is there
+    assert mismatched_distributions(None, cu12_stack) == []  # a CPU torch: the CPU-only hint says what to do
+
+
+def test_missing_gpu_packages_raise_the_hint_for_this_torch() -> None:
+    # A real import failure in a child interpreter (the packages blocked as if not installed).
+    code = (
+        "import sys; sys.modules['nvidia.nvcomp'] = None\n"
+        "from asyncckpt.gpu.deps import nvcomp\n"
+        "try:\n    nvcomp()\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    out = run_python(code).stdout
+    assert "needs the Python package 'nvidia.nvcomp'" in out and "matches torch's CUDA build" in out
+    assert gpu_extra_hint() in out

@@ -8,7 +8,9 @@ the GPU extra, imports the package fine and only fails when it asks for the GPU 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -21,9 +23,45 @@ EXTRAS = {12: "cu12", 13: "cu13"}
 
 _modules: dict[str, ModuleType] = {}
 
+_GPU_DISTRIBUTIONS = {
+    major: (f"cupy-cuda{major}x", f"nvidia-nvcomp-cu{major}", f"kvikio-cu{major}") for major in EXTRAS
+}
+"""The distributions each extra installs that are built for one CUDA major."""
+
+
+def mismatched_distributions(torch_cuda: str | None, installed: Iterable[str]) -> list[str]:
+    """GPU packages in ``installed`` (distribution names) built for another CUDA major than torch's,
+    where the one for torch's major is absent (so the import would load the wrong one).
+
+    pip installs ``asyncckpt[cu12]`` beside a torch built for CUDA 13 without a word, and the
+    result loads two CUDA runtimes into one process; this names what to replace.
+    """
+    extra_major = next((m for m, e in EXTRAS.items() if e == extra_for_torch(torch_cuda)), None)
+    if extra_major is None:
+        return []
+    names = {name.lower().replace("_", "-") for name in installed}
+    wrong = []
+    for role, wanted in enumerate(_GPU_DISTRIBUTIONS[extra_major]):
+        if wanted not in names:
+            wrong += [ds[role] for m, ds in _GPU_DISTRIBUTIONS.items() if m != extra_major and ds[role] in names]
+    return sorted(wrong)
+
+
+def _check_cuda_match() -> None:
+    """Raise MissingDependencyError when the installed GPU packages were built for another CUDA than torch."""
+    names = [d.metadata["Name"] or "" for d in importlib.metadata.distributions()]
+    wrong = mismatched_distributions(torch.version.cuda, names)
+    if wrong:
+        raise MissingDependencyError(
+            f"{', '.join(wrong)} are built for another CUDA major than this torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}): pip uninstall -y {' '.join(wrong)}, then:\n{gpu_extra_hint()}"
+        )
+
 
 def _load(module: str, what: str) -> Any:
     if module not in _modules:
+        if not _modules:  # the first GPU package this process asks for: check the set once
+            _check_cuda_match()
         try:
             _modules[module] = importlib.import_module(module)
         except ImportError as exc:
