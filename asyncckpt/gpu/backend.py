@@ -40,7 +40,6 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         host_budget_bytes=options.host_staging_budget_bytes,
         register=storage.register,
         deregister=storage.deregister,
-        scratch=encoder.scratch,
     )
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot)
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then

@@ -49,7 +49,6 @@ from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .budget import GROUPS_IN_FLIGHT, plan_groups
 from .fence import FenceGate
 from .planes import plane_stride, split_into, split_tensor_into
-from .scratch import ScratchPool
 from .snapshot import BlobChannel, GpuSnapshot, Group
 from .specs import CodecSpec
 from .staging import TINY_BYTES, aligned_layout, aligned_offsets, copy_fence_stragglers
@@ -143,8 +142,6 @@ class GpuEncoder:
         self.group_bytes = group_bytes
         self.chooser = CodecChooser(codec, reprobe_every)
         self.stream = torch.cuda.Stream(device=device)
-        self.scratch = ScratchPool(device)
-        """Where the compressor thread's GPU allocations go, and how much it keeps cached."""
         self.history: deque[CompressStats] = deque(maxlen=256)
         """Stats of recent snapshots, newest last (for benchmarks and logs)."""
         self.on_stats: Callable[[CompressStats], None] | None = None
@@ -196,9 +193,7 @@ class GpuEncoder:
             snapshot = self._queue.get()
             if snapshot is _STOP:
                 return
-            with self.scratch.allocating():
-                self._compress(snapshot)
-            self.scratch.measure()
+            self._compress(snapshot)
 
     def _compress(self, snapshot: GpuSnapshot) -> None:
         stats = CompressStats(mode=snapshot.mode)

@@ -37,9 +37,8 @@ import torch
 from ..snapshot import HostStager
 from ..tree import FlatState
 from . import fence
-from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging
+from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_for
 from .pinned_pool import PinnedPool
-from .scratch import ScratchPool
 from .snapshot import BlobChannel, GpuSnapshot
 
 log = logging.getLogger("asyncckpt")
@@ -195,7 +194,6 @@ class GpuStager:
         host_budget_bytes: int | None = None,
         register: Callable[[torch.Tensor], None] | None = None,
         deregister: Callable[[torch.Tensor], None] | None = None,
-        scratch: ScratchPool | None = None,
     ) -> None:
         if mode not in ("auto", "device", "fence", "host"):
             raise ValueError(f"snapshot mode must be auto, device, fence or host; got {mode!r}")
@@ -205,7 +203,10 @@ class GpuStager:
         self.window_bytes = window_bytes
         self.gpu_budget_bytes = gpu_budget_bytes
         self._submit = submit
-        self._scratch = scratch
+        self._granted_bytes = 0
+        """The most GPU memory a plan has let the compressor use (scratch + resident output).
+        PyTorch's caching allocator keeps what it freed, invisible to ``mem_get_info``; counted
+        back as available, it keeps the next save from planning around its own cache."""
         self.arena = DeviceArena(slots, device, register, deregister)
         self.host = HostStager(slots=slots, budget_bytes=host_budget_bytes)
         self.pool = PinnedPool(self.host.budget_bytes)
@@ -286,12 +287,15 @@ class GpuStager:
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
             # Our own arena and the compressor's cached scratch are reused by the next save, so
-            # they count as available to it (:mod:`asyncckpt.gpu.scratch` says why).
-            cached = self._scratch.cached_bytes if self._scratch is not None else 0
-            budget = default_gpu_budget(free + self.arena.allocated_bytes + cached)
-        return plan_staging(
+            # they count as available to it.
+            budget = default_gpu_budget(free + self.arena.allocated_bytes + self._granted_bytes)
+        plan = plan_staging(
             self.mode, device_bytes, budget, self.arena.allocated_bytes, self.slots, largest, self.window_bytes
         )
+        if plan.mode != "host":
+            granted = scratch_for(plan.group_bytes) + plan.resident_bytes
+            self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))
+        return plan
 
     def _to_arena(self, indices: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
                   acquired: ArenaSlot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
