@@ -22,6 +22,20 @@ def cli(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None =
                           timeout=timeout, env=full_env, cwd=cwd or REPO)  # fmt: skip
 
 
+def cli_all(*commands: list[str | Path], env: dict[str, str] | None = None,
+            timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:  # fmt: skip
+    """Several ``asyncckpt`` runs at once (each a fresh interpreter, as :func:`cli`); results in order."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    procs = [subprocess.Popen([sys.executable, "-m", "asyncckpt", *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
+             for args in commands]  # fmt: skip
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return results
+
+
 class Tied(torch.nn.Module):
     """A model with a tied weight (``head.weight`` is ``embed.weight``), as language models have."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_env import Tied, cli, saved_run
+from cli_env import Tied, cli, cli_all, saved_run
 
 import asyncckpt
 from asyncckpt.gpu.deps import gpu_path_installed
@@ -54,14 +54,15 @@ def test_safetensors_export_of_another_entry_and_torch_export(tmp_path: Path) ->
 
 
 def test_convert_offers_only_codecs_this_machine_writes(tmp_path: Path) -> None:
-    saved_run(tmp_path / "run")
-    usage = " ".join(cli("convert", "--help").stdout.split())
     if gpu_path_installed():
         pytest.skip("this machine has the GPU path: every codec is offered")
+    saved_run(tmp_path / "run")
+    codecs = ("lz4", "deflate", "ans")
+    runs = [["convert", tmp_path / "run", tmp_path / c, "--codec", c] for c in ("none", *codecs)]
+    help_run, ok, *refused = cli_all(["convert", "--help"], *runs)
+    usage = " ".join(help_run.stdout.split())
     assert "{zstd,none}" in usage and "need a CUDA GPU and the GPU extra" in usage
-    for codec in ("lz4", "deflate", "ans"):
-        refused = cli("convert", tmp_path / "run", tmp_path / codec, "--codec", codec)
-        assert refused.returncode == 2 and "invalid choice" in refused.stderr and not (tmp_path / codec).exists()
-    ok = cli("convert", tmp_path / "run", tmp_path / "none", "--codec", "none")
+    for codec, proc in zip(codecs, refused, strict=True):
+        assert proc.returncode == 2 and "invalid choice" in proc.stderr and not (tmp_path / codec).exists()
     assert ok.returncode == 0, ok.stderr
     assert first_difference(asyncckpt.load(tmp_path / "run"), asyncckpt.load(tmp_path / "none")) is None

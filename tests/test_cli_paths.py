@@ -11,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-from cli_env import REPO, cli, saved_run
+from cli_env import REPO, cli, cli_all, saved_run
 
 import asyncckpt
 
@@ -34,26 +33,18 @@ def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
-def test_a_missing_path_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
-    line = _one_line_error(cli(*_args(command, tmp_path / "missing", tmp_path)))
-    assert "missing: no such" in line
-
-
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
-def test_a_file_where_a_directory_belongs_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
+def test_missing_odd_and_empty_paths_are_one_line_and_status_2(tmp_path: Path) -> None:
     afile = tmp_path / "notes.txt"
     afile.write_text("hello")
-    line = _one_line_error(cli(*_args(command, afile, tmp_path)))
-    assert "is a file, not a" in line
-
-
-@pytest.mark.parametrize("command", COMMANDS[1:], ids=lambda c: c[0])  # ls: tested below
-def test_a_run_directory_without_checkpoints_is_one_line_and_status_2(tmp_path: Path, command: tuple[str, ...]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = _one_line_error(cli(*_args(command, empty, tmp_path)))
-    assert "no committed checkpoint" in line
+    cases = [(command, tmp_path / "missing", "missing: no such") for command in COMMANDS]
+    cases += [(command, afile, "is a file, not a") for command in COMMANDS]
+    cases += [(command, empty, "no committed checkpoint") for command in COMMANDS[1:]]  # ls: an empty listing
+    results = cli_all(*(_args(command, path, tmp_path) for command, path, _ in cases))  # at once: faster
+    for (command, path, expected), proc in zip(cases, results, strict=True):
+        line = _one_line_error(proc)
+        assert expected in line, (command, path.name, line)
 
 
 def test_ls_of_an_empty_directory_lists_nothing(tmp_path: Path) -> None:
