@@ -112,10 +112,18 @@ def _device(map_location: Any) -> str | torch.device:
         return "cpu"
     if isinstance(map_location, (str, torch.device)):
         return map_location
-    if callable(map_location) and map_location(torch.empty(0).untyped_storage(), "cpu").device.type == "cpu":
+    if callable(map_location) and _keeps_on_cpu(map_location):
         return "cpu"  # TorchCheckpointIO's default `lambda storage, loc: storage` keeps storages on the CPU
     raise TypeError(f"AsyncCkptIO.load_checkpoint: map_location must be a device ('cpu', 'cuda:0') or None (the "
                     f"CPU, as TorchCheckpointIO), got {map_location!r}")  # fmt: skip
+
+
+def _keeps_on_cpu(map_location: Any) -> bool:
+    """Whether a torch.load storage hook leaves a CPU storage on the CPU (probed with an empty one)."""
+    try:
+        return bool(map_location(torch.empty(0).untyped_storage(), "cpu").device.type == "cpu")
+    except (RuntimeError, TypeError, AttributeError, ValueError):  # e.g. `.cuda()` on a machine without CUDA
+        return False
 
 
 def is_asyncckpt_checkpoint(path: Any) -> bool:
