@@ -33,7 +33,7 @@ from .backend import build_backend
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
 from .layout import MAX_STEP, checkpoint_name, discard_steps_after, latest_step, remove_stale_temporaries
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .observer import GuardedObserver, NullObserver, SaveObserver
 from .options import resolve_options
 from .persist import SaveJob, persist
@@ -371,9 +371,13 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
     try:
-        return dict(json.loads(json.dumps(metadata, allow_nan=False)))
+        text = json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must be JSON-serialisable (no nan/inf): {exc}") from exc
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise TypeError(f"metadata takes {len(text)} bytes as JSON, more than the {MAX_MANIFEST_BYTES} a manifest "
+                        "load() reads may hold; keep large data in the state, as tensors")  # fmt: skip
+    return dict(json.loads(text))
 
 
 def _default_observer(options: Any, registry: Any) -> SaveObserver:

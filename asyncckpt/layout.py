@@ -131,9 +131,10 @@ def _committing_step(root: Path) -> str | None:
 def pointer_reaches(directory: str | os.PathLike[str], step: int) -> bool:
     """Whether a reader of ``latest`` now gets ``step`` or a later one, once ``step`` is committed.
 
-    False only while the pointer still names an earlier committed step: :func:`commit` moves the
-    pointer before the rename, so this is only seen after a commit by an asyncckpt that renamed
-    first, which a rank that learns of the commit from the renamed directory must wait out.
+    False only while the pointer still names an earlier committed step: never during a commit of
+    :func:`commit`, whose marker makes :func:`latest_pointer` name the renamed step at once, but
+    during one by an asyncckpt without the marker, between its rename and its pointer update,
+    which a rank that learns of the commit from the renamed directory must wait out.
     """
     root = Path(directory)
     name = latest_pointer(root)

@@ -112,7 +112,8 @@ def test_failed_save_is_counted_and_releases_gauges(run_dir: Path) -> None:
     registry = CollectorRegistry()
     ckpt = asyncckpt.AsyncCheckpointer(run_dir, registry=registry)
     ckpt.save(1, known_state(1)).result()
-    shutil.rmtree(run_dir)  # the worker's mkdir of the next temporary directory fails: a real failure
+    shutil.rmtree(run_dir)
+    run_dir.write_bytes(b"")  # a file where the run directory was: the worker cannot recreate it, a real failure
     handle = ckpt.save(2, known_state(2))
     assert handle.wait(30)
     with pytest.raises(asyncckpt.SaveFailedError):

@@ -60,6 +60,8 @@ def test_text_a_manifest_could_not_hold_is_refused_by_save(run_dir: Path) -> Non
         # A long str goes the full walk too, and text is counted across the whole state.
         with pytest.raises(TypeError, match=r"passed at 'b'"):
             ckpt.save(2, {"a": "x" * (130 << 20), "b": "y" * (130 << 20)})
+        with pytest.raises(TypeError, match="metadata takes .* bytes as JSON"):
+            ckpt.save(3, {"w": torch.ones(1)}, metadata={"notes": "n" * (257 << 20)})
         ckpt.save(3, {"blob": bytes(1 << 20), "s": "z" * 5000}).result()
     assert asyncckpt.list_checkpoints(run_dir)[0].step == 3
     state = asyncckpt.load(run_dir)
