@@ -106,6 +106,7 @@ def plan_staging(
     if requested == "host":
         return StagingPlan("host", "snapshot='host' was asked for", budget_bytes, group_bytes_for(budget_bytes), 0)
     group = group_bytes_for(budget_bytes)
+    # In flight: GROUPS_IN_FLIGHT groups' bytes, or one tensor larger than that alone.
     scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
     if requested in ("auto", "device"):
         arena = max(arena_bytes, device_bytes * slots)

@@ -250,12 +250,15 @@ class GpuEncoder:
         channel = snapshot.channel
         resident_left = snapshot.plan.resident_bytes
         group_bytes = snapshot.plan.group_bytes
+        in_flight_bytes = GROUPS_IN_FLIGHT * group_bytes
         todo = deque(groups)
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
         outgoing: deque[_Outgoing] = deque()
         while (todo or encoding) and not channel.cancelled:
             try:
-                while todo and len(encoding) < GROUPS_IN_FLIGHT:
+                # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
+                # than a group is encoded alone, which is what the plan's scratch allows for.
+                while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
                     encoding.append((todo[0], self._enqueue(todo[0])))
                     todo.popleft()
                 blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
@@ -518,6 +521,14 @@ class GpuEncoder:
             stats.stored_bytes += n
         blobs.sort(key=lambda pair: pair[0])
         return blobs, total, packed
+
+
+def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:
+    return sum(staged.data.numel() for _index, staged in group)
+
+
+def _raw_bytes(encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]]) -> int:
+    return sum(_group_raw(group) for group, _work in encoding)
 
 
 def chunk_table(
