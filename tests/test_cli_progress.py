@@ -10,15 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from cli_env import REPO, cli, saved_run
 
 from asyncckpt.commands._progress import Progress, ReadProgress
 
 
-def _with_terminal_stderr(*args: str | Path) -> tuple[int, str, str]:
-    """Run ``asyncckpt ARGS`` with stderr on a pseudo-terminal; returns (status, stdout, what the terminal got)."""
+def _with_terminal_stderr(*args: str | Path, module: str = "asyncckpt") -> tuple[int, str, str]:
+    """Run ``python -m MODULE ARGS`` with stderr on a pseudo-terminal; returns (status, stdout, what it got)."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", *map(str, args)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
     os.close(follower)
     seen = b""
@@ -68,3 +69,14 @@ def test_read_progress_follows_the_bytes_this_process_reads(tmp_path: Path) -> N
             time.sleep(0.05)  # slower than the sampler: it sees the partial reads
     percents = [int(frame.split(":")[1].split("%")[0]) for frame in stream.getvalue().split("\r")[1:]]
     assert percents[-1] == 100 and any(0 < p < 100 for p in percents), percents
+
+
+@pytest.mark.slow
+def test_the_stall_benchmark_draws_a_bar_under_its_progress_lines(tmp_path: Path) -> None:
+    status, _, terminal = _with_terminal_stderr("--tiny", "--no-chart", "--methods", "torch.save", "--rounds", "2",
+                                                "--out", tmp_path, "--name", "st", "--dir", tmp_path / "scratch",
+                                                module="benchmarks.stall_time")  # fmt: skip
+    assert status == 0, terminal
+    assert "measured: 100% [########################] 4/4 measurements" in terminal, terminal
+    # Each progress line is printed after the bar's line is erased, and the bar comes back below it.
+    assert "\r\x1b[K[" in terminal and "round 2: torch.save:" in terminal

@@ -46,6 +46,16 @@ class Progress:
             self._drawn = now
             self._draw(now)
 
+    def clear(self) -> None:
+        """Erase the bar's line, so other output can be printed; :meth:`redraw` puts the bar back below it."""
+        if self.enabled and not self._closed:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def redraw(self) -> None:
+        if self.enabled and not self._closed:
+            self._draw(time.monotonic())
+
     def close(self) -> None:
         if self._closed:
             return
