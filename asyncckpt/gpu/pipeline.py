@@ -271,6 +271,7 @@ class GpuEncoder:
                 encoding.clear()
                 if group_bytes > MIN_RETRY_GROUP_BYTES:
                     group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // 2)
+                    in_flight_bytes = GROUPS_IN_FLIGHT * group_bytes
                     flat = [pair for g in retry for pair in g]
                     todo = deque(self._plan([t for _i, t in flat], group_bytes, [i for i, _t in flat]))
                 elif len(retry[0]) > 1:
