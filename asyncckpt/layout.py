@@ -109,10 +109,13 @@ def latest_pointer(directory: str | os.PathLike[str]) -> str | None:
     """
     root = Path(directory)
     committing = _committing_step(root)
-    if committing is not None:
-        return committing
+    return committing if committing is not None else latest_pointer_file(root)
+
+
+def latest_pointer_file(directory: str | os.PathLike[str]) -> str | None:
+    """What the ``latest`` file holds (no marker considered), or None when it is missing or unreadable."""
     try:
-        return read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
+        return read_regular_file(Path(directory) / LATEST_NAME, 4096).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -335,8 +338,8 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
             if (owner.get("host") or host) != host or (owner.get("pid") and _pid_alive(int(owner["pid"]))):
                 continue
             if kind == "committing":
-                _finish_pointer(directory, match.group("name"))
-            if kind in ("latest", "committing"):
+                finish_interrupted_commit(directory, entry.name)
+            elif kind == "latest":
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
             else:
@@ -345,19 +348,28 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def _finish_pointer(root: Path, name: str) -> None:
-    """Move ``latest`` forward to ``name``, committed by a process killed before it could (see :func:`commit`)."""
-    if not (root / name / MANIFEST_NAME).is_file():
-        return  # killed before its rename: nothing was committed
-    try:
-        current = read_regular_file(root / LATEST_NAME, 4096).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        current = None
-    match = _CKPT_DIR.fullmatch(current or "")
-    if match is None or int(match.group(1)) < int(name[len("step-") :]):
+def is_commit_marker(name: str) -> bool:
+    """Whether ``name`` is a ``.committing-*`` marker's (see :func:`commit`)."""
+    return _COMMITTING.fullmatch(name) is not None
+
+
+def finish_interrupted_commit(root: Path, marker_name: str) -> None:
+    """Complete the commit a ``.committing-*`` marker records, whose process is gone, and remove the marker.
+
+    If its step is committed, ``latest`` is pointed at it: the marker means that step was the most
+    recent commit (even below a higher step, after a restart from an earlier checkpoint). If not,
+    the process died before its rename and nothing was committed. Calling thread.
+    """
+    match = _COMMITTING.fullmatch(marker_name)
+    if match is None:
+        raise ValueError(f"{marker_name!r} is not a commit marker")
+    name = match.group("name")
+    if (root / name / MANIFEST_NAME).is_file() and latest_pointer_file(root) != name:
         _point_latest(root, name)
-        log.info("asyncckpt: %s was committed by a process killed before it updated %r; it is the latest now",
-                 root / name, LATEST_NAME)  # fmt: skip
+        log.info("asyncckpt: %s was committed by a process stopped before it updated %r; %r names it now",
+                 root / name, LATEST_NAME, LATEST_NAME)  # fmt: skip
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(root / marker_name)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import signal
 from pathlib import Path
 
@@ -109,11 +110,37 @@ def test_a_distributed_job_killed_at_a_commit_point_reads_back_consistently(run_
     expected = 2 if point in ("data-written", "marker-written") else 3
     steps = [c.step for c in asyncckpt.list_checkpoints(run_dir)]
     assert asyncckpt.latest_step(run_dir) == expected == max(steps)
+    for marker in run_dir.glob(".committing-*"):  # as if rank 0 had run on another host: only rank 0 finishes it
+        marker.rename(run_dir / re.sub(r"-[A-Za-z0-9._]+-(\d+-[0-9a-f]{8})$", r"-otherhost-\1", marker.name))
     # The restarted job (a new session) cleans the dead one's leftovers and saves the next step.
     run_python(_TWO_RANKS, str(run_dir), "-", "alive", env={"STEP": str(expected + 1)})
     assert asyncckpt.latest_step(run_dir) == expected + 1
     assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []
     assert float(asyncckpt.load(run_dir)[1]["w"][0]) == float(expected + 2)
+
+
+_RESTARTED = """
+import os, signal, sys, torch, asyncckpt
+from asyncckpt import commit_points
+run = sys.argv[1]
+ckpt = asyncckpt.AsyncCheckpointer(run)
+for step in (5, 10):
+    ckpt.save(step, {"w": torch.full((64,), float(step))}).result()
+commit_points.set_hook(lambda point: os.kill(os.getpid(), signal.SIGKILL) if point == "renamed" else None)
+ckpt.save(7, {"w": torch.full((64,), 7.0)}).result()  # a restart from step 5: a new timeline
+"""
+
+
+def test_a_restarted_timeline_killed_between_rename_and_pointer_keeps_its_step_as_the_latest(run_dir: Path) -> None:
+    proc = run_python(_RESTARTED, str(run_dir), check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (run_dir / LATEST_NAME).read_text().strip() == "step-0000000010"
+    assert asyncckpt.latest_step(run_dir) == 7  # the marker: step 7 was the most recent commit
+    with asyncckpt.AsyncCheckpointer(run_dir) as ckpt:  # finishes the commit: latest names step 7 for good
+        assert (run_dir / LATEST_NAME).read_text().strip() == "step-0000000007"
+        ckpt.save(8, {"w": torch.full((64,), 8.0)}).result()
+    assert asyncckpt.latest_step(run_dir) == 8
+    assert [c.step for c in asyncckpt.list_checkpoints(run_dir)] == [5, 7, 8, 10]
 
 
 def _failing_at(point: str, error: BaseException) -> None:

@@ -42,7 +42,7 @@ from .._version import __version__
 from ..codecs import Encoder
 from ..commit_points import reached
 from ..errors import CheckpointError
-from ..layout import checkpoint_name, commit, fsync_dir, pointer_reaches
+from ..layout import checkpoint_name, commit, finish_interrupted_commit, fsync_dir, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, manifest_json, parse_manifest, read_manifest
 from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
 from ..result import SaveResult
@@ -301,11 +301,20 @@ def _sweep_aborted(root: Path, session: str) -> None:
 
 
 def remove_other_sessions(root: Path, session: str) -> list[Path]:
-    """Remove temporaries and abort markers left by earlier incarnations of the job (rank 0, at start)."""
+    """Remove temporaries and abort markers left by earlier incarnations of the job (rank 0, at start).
+
+    Commit markers (``.committing-*``) are finished too, whatever host wrote them: rank 0 is the
+    job's only committer and this incarnation has committed nothing yet, so any marker is a dead
+    rank 0's, perhaps on another host, where the single-process cleanup leaves it alone.
+    """
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(root):
             name = entry.name
+            if is_commit_marker(name) and not entry.is_symlink():
+                finish_interrupted_commit(root, name)
+                removed.append(Path(entry.path))
+                continue
             stale_tmp = name.startswith(".tmp-step-") and "-dist-" in name and not name.endswith(f"-dist-{session}")
             stale_abort = name.startswith(".abort-step-") and not name.endswith(f"-{session}")
             if stale_tmp:
