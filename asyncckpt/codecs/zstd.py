@@ -89,6 +89,9 @@ class ZstdCodec:
     ) -> None:
         planes = checked_planes("zstd", params)
         jobs = chunk_views("zstd", blob.numpy(), out.numpy(), chunks, planes)
+        if len(jobs) == 1:  # most tensors of a state are one chunk: the pool's hand-off would cost more
+            _decompress_into(jobs[0][0], jobs[0][1], planes)
+            return
         for _ in self._executor.map(lambda job: _decompress_into(job[0], job[1], planes), jobs):
             pass
 
