@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"CORRUPT: {exc}")
         return 1
     if args.json:
-        print_json({"ok": True, **dataclasses.asdict(report)})
+        print_json({"ok": True, **dataclasses.asdict(report), "notes": report.notes})
         return 0
+    notes = "".join(f"; {note}" for note in report.notes)  # e.g. "no manifest digest (format v1)"
     print(f"OK: {report.path} (step {report.step}): {report.tensors} tensors, {report.raw_bytes} bytes raw, "
-          f"{report.stored_bytes} stored, every checksum verified")  # fmt: skip
+          f"{report.stored_bytes} stored, every checksum verified{notes}")  # fmt: skip
     return 0
