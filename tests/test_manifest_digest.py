@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import run_python
 
 import asyncckpt
 from asyncckpt.distributed import DistributedCheckpointer
@@ -101,3 +102,18 @@ def test_older_unsealed_manifests_still_load_and_verify_says_what_was_not_checke
     path.write_text(json.dumps(doc, indent=1))
     with pytest.raises(asyncckpt.CorruptCheckpointError, match=f"format version {version} manifest has no"):
         asyncckpt.load(checkpoint)
+
+
+def test_the_cli_says_when_a_manifest_has_no_digest(checkpoint: Path) -> None:
+    cli = "import sys; from asyncckpt.cli import main; sys.exit(main(sys.argv[1:]))"
+    assert "no manifest digest" not in run_python(cli, "verify", str(checkpoint)).stdout
+    path = checkpoint / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    del doc[DIGEST_FIELD]
+    doc["format_version"] = 1
+    path.write_text(json.dumps(doc, indent=1))
+    out = run_python(cli, "verify", str(checkpoint)).stdout
+    assert out.startswith("OK:") and out.rstrip().endswith("every checksum verified; no manifest digest (format v1)")
+    assert json.loads(run_python(cli, "verify", "--json", str(checkpoint)).stdout)["notes"] == [
+        "no manifest digest (format v1)"
+    ]
