@@ -23,6 +23,7 @@ from property_states import difference, leaves_of, states, tied_difference
 
 import asyncckpt
 from asyncckpt.codecs import CPU_CODECS
+from asyncckpt.manifest import read_manifest
 
 pytestmark = [*requires_gpu, pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")]
 
@@ -70,7 +71,7 @@ def test_any_cuda_state_round_trips_in_every_mode_and_codec(
         back = asyncckpt.load(path)
         found = difference(state, back) or tied_difference(state, back) or _same_devices(state, back)
         assert found is None, f"{where}: {found}"
-        if all(record.codec in CPU_CODECS for record in asyncckpt.manifest.read_manifest(path).tensors):
+        if all(record.codec in CPU_CODECS for record in read_manifest(path).tensors):
             on_cpu = asyncckpt.load(path, map_location="cpu")
             assert difference(state, on_cpu) is None, f"{where}, map_location=cpu"
         assert asyncckpt.verify(path).manifest_digest is not None
