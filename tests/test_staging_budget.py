@@ -32,32 +32,41 @@ WINDOW = GiB
 
 
 def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int) -> int:  # type: ignore[no-untyped-def]
-    """GPU memory a save run by ``plan`` may hold beyond the live state."""
-    scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+    """GPU memory a save run by ``plan`` may hold beyond the live state and an arena already allocated."""
     if plan.mode == "device":
-        return max(arena, device_bytes * slots) + scratch + WINDOW
+        scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+        return max(arena, device_bytes * slots) - arena + scratch + plan.window_bytes
     if plan.mode == "fence":
-        return scratch + plan.resident_bytes
-    return 0
+        scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+        return scratch + plan.resident_bytes * slots  # every save in flight keeps its resident output
+    # host: one group at a time, no tensor over max_compress_bytes compressed, plus the writer's window
+    # (a group of tensors each within max_compress_bytes is at most group_bytes, itself within it)
+    compressed = min(plan.group_bytes, plan.max_compress_bytes, device_bytes)
+    return compressed * SCRATCH_PER_RAW_BYTE + plan.window_bytes
 
 
 @pytest.mark.parametrize("requested", ["auto", "device", "fence", "host"])
-def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str) -> None:
+@pytest.mark.parametrize("fence_allowed", [True, False])
+def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str, fence_allowed: bool) -> None:
     sizes = [0, MiB, 512 * MiB, 4 * GiB, 34 * GiB, 100 * GiB]
     budgets = [0, 100 * MiB, 192 * MiB, GiB, 2500 * MiB, 30 * GiB, 140 * GiB]
     for device_bytes, budget, arena, slots, largest_fraction in itertools.product(
         sizes, budgets, [0, 8 * GiB], [1, 2], [0.01, 0.5]
     ):
         largest = int(device_bytes * largest_fraction)
-        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW)
+        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed)
         where = f"{requested} state={device_bytes} budget={budget} arena={arena} slots={slots} largest={largest}"
-        assert MIN_GROUP_BYTES <= plan.group_bytes <= MAX_GROUP_BYTES, where
-        assert memory_held(plan, device_bytes, arena, slots, largest) <= budget, where
+        assert memory_held(plan, device_bytes, arena, slots, largest) <= max(0, budget - arena), where
         assert plan.reason, where
         if requested == "host":
             assert plan.mode == "host", where
+        if not fence_allowed:
+            assert plan.mode != "fence", where
+        if plan.mode == "fence":
+            assert MIN_GROUP_BYTES <= plan.group_bytes <= MAX_GROUP_BYTES, where
+            assert plan.window_bytes is None and plan.max_compress_bytes >= largest, where
         if plan.mode == "host" and requested != "host":
-            assert "scratch" in plan.reason, where  # degraded only when not even the scratch fits
+            assert "scratch" in plan.reason or "codec='none'" in plan.reason, where
 
 
 def test_auto_prefers_a_device_copy_then_a_fence() -> None:
@@ -71,6 +80,14 @@ def test_auto_prefers_a_device_copy_then_a_fence() -> None:
     assert asked.mode == "fence" and "fenced instead" in asked.reason
     starved = plan_staging("fence", 34 * GiB, 64 * MiB, 0, 1, 256 * MiB, WINDOW)
     assert starved.mode == "host" and "scratch" in starved.reason
+    assert starved.max_compress_bytes * SCRATCH_PER_RAW_BYTE <= 64 * MiB // 2  # larger tensors stored raw
+    uncompressed = plan_staging("device", 34 * GiB, 2500 * MiB, 0, 1, 256 * MiB, WINDOW, fence_allowed=False)
+    assert uncompressed.mode == "host" and "codec='none'" in uncompressed.reason
+    two = plan_staging("fence", 34 * GiB, 30 * GiB, 0, 2, 256 * MiB, WINDOW)
+    one = plan_staging("fence", 34 * GiB, 30 * GiB, 0, 1, 256 * MiB, WINDOW)
+    assert two.resident_bytes * 2 <= one.resident_bytes + 1  # saves in flight share the resident allowance
+    with_arena = plan_staging("fence", 34 * GiB, 30 * GiB, 8 * GiB, 1, 256 * MiB, WINDOW)
+    assert with_arena.resident_bytes == one.resident_bytes - 8 * GiB  # the arena stays allocated
 
 
 def test_groups_keep_order_and_respect_the_group_size() -> None:

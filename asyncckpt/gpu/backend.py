@@ -40,6 +40,7 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         host_budget_bytes=options.host_staging_budget_bytes,
         register=storage.register,
         deregister=storage.deregister,
+        fence_allowed=options.codec != "none",
     )
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot)
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then

@@ -38,6 +38,7 @@ GROUPS_IN_FLIGHT = 2
 MIN_GROUP_BYTES = 16 << 20
 """Below this, per-call overheads dominate (~0.6 ms host time per nvCOMP call)."""
 MAX_GROUP_BYTES = 1 << 30
+NO_LIMIT = 1 << 62
 FREE_FRACTION = 4
 """The default GPU budget is free memory divided by this, re-read at every save."""
 
@@ -56,6 +57,10 @@ class StagingPlan:
     """Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group alone)."""
     resident_bytes: int
     """Compressed bytes that may stay on the GPU until written (``fence``); beyond, they go to pinned host memory."""
+    window_bytes: int | None = None
+    """Compressed bytes that may wait on the GPU for the writer (``device``, ``host``); None: no window (``fence``)."""
+    max_compress_bytes: int = NO_LIMIT
+    """Tensors larger than this are stored raw: compressing them would need more scratch than the budget."""
 
 
 def group_bytes_for(scratch_bytes: int) -> int:
@@ -94,17 +99,21 @@ def plan_staging(
     slots: int,
     largest_tensor_bytes: int,
     window_bytes: int,
+    fence_allowed: bool = True,
 ) -> StagingPlan:
     """Choose the mode and sizes of one save.
 
     ``requested``: the ``snapshot`` option (``auto``, ``device``, ``fence``, ``host``);
     ``device_bytes``: the state's bytes on this GPU; ``budget_bytes``: GPU memory this save may
-    use; ``arena_bytes``: GPU staging arena already allocated (reused, so it counts as in the
-    budget); ``slots``: saves that may be in flight; ``largest_tensor_bytes``: a tensor over the
-    group size is a group of its own, so its scratch counts in full.
+    use; ``arena_bytes``: GPU staging arena already allocated (it stays allocated, so a mode that
+    does not use it has that much less); ``slots``: saves that may be in flight; ``largest_tensor_bytes``:
+    a tensor over the group size is a group of its own, so its scratch counts in full;
+    ``window_bytes``: compressed bytes a ``device`` save may queue on the GPU for the writer;
+    ``fence_allowed``: False where nothing would read the live tensors before training moves on
+    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead.
     """
     if requested == "host":
-        return StagingPlan("host", "snapshot='host' was asked for", budget_bytes, group_bytes_for(budget_bytes), 0)
+        return host_plan("snapshot='host' was asked for", budget_bytes - arena_bytes, window_bytes)
     group = group_bytes_for(budget_bytes)
     # In flight: GROUPS_IN_FLIGHT groups' bytes, or one tensor larger than that alone.
     scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
@@ -112,27 +121,43 @@ def plan_staging(
         arena = max(arena_bytes, device_bytes * slots)
         if arena + scratch + window_bytes <= budget_bytes:
             why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
-            return StagingPlan("device", why, budget_bytes, group, 0)
+            return StagingPlan("device", why, budget_bytes, group, 0, window_bytes)
         why = (
             f"a device copy needs {arena + scratch + window_bytes} bytes of GPU memory but "
-            f"gpu_staging_budget_bytes allows {budget_bytes}: fenced instead (the next optimizer step waits "
-            "until the state has been read)"
+            f"gpu_staging_budget_bytes allows {budget_bytes}"
         )
     else:
         why = "snapshot='fence' was asked for"
-    if scratch > budget_bytes:
-        return StagingPlan(
-            "host",
-            f"compressing on the GPU needs {scratch} bytes of scratch (groups of {group} bytes, largest tensor "
-            f"{largest_tensor_bytes} bytes) but gpu_staging_budget_bytes allows {budget_bytes}: staged raw in pinned "
-            "host memory instead",
-            budget_bytes,
-            group,
-            0,
+    left = budget_bytes - arena_bytes
+    if not fence_allowed:
+        return host_plan(f"{why}; codec='none' reads nothing before training moves on, so not fenced", left,
+                         window_bytes)  # fmt: skip
+    if scratch > left:
+        return host_plan(
+            f"{why}; compressing on the GPU needs {scratch} bytes of scratch (groups of {group} bytes, largest "
+            f"tensor {largest_tensor_bytes} bytes) and {left} are left",
+            left,
+            window_bytes,
         )
-    return StagingPlan("fence", why, budget_bytes, group, budget_bytes - scratch)
+    if requested != "fence":
+        why += ": fenced instead (the next optimizer step waits until the state has been read)"
+    # Compressed output kept on the GPU is held until written, by every save in flight.
+    return StagingPlan("fence", why, budget_bytes, group, (left - scratch) // max(1, slots))
 
 
-def fenced_instead(plan: StagingPlan, why: str) -> StagingPlan:
+def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:
+    """A raw copy to pinned host memory, compressed on the GPU within ``budget_bytes``: half for the
+    scratch of one group at a time, half for compressed bytes waiting for the writer; tensors too
+    large for that scratch are stored raw."""
+    share = max(0, budget_bytes) // 2
+    largest = share // SCRATCH_PER_RAW_BYTE
+    reason = why if why.startswith("snapshot=") else f"{why}: staged raw in pinned host memory instead"
+    return StagingPlan("host", reason, budget_bytes, max(1, min(largest, MAX_GROUP_BYTES)), 0,
+                       min(window_bytes, share), largest)  # fmt: skip
+
+
+def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> StagingPlan:
     """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
+    if not fence_allowed:
+        return host_plan(f"{why}; codec='none' cannot be fenced", plan.budget_bytes, plan.window_bytes or 0)
     return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, plan.group_bytes, 0)

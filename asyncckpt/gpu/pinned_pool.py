@@ -26,7 +26,7 @@ import contextlib
 import logging
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +37,8 @@ BLOCK_ALIGN_BYTES = 2 << 20
 """Blocks are a whole number of 2 MiB huge pages."""
 HEADROOM_DIVISOR = 16
 """A block is made 1/16 larger than asked, so the next save's groups, a little larger, still fit."""
-REUSE_FACTOR = 2
-"""A free block is reused for a request down to 1/REUSE_FACTOR of its size."""
+HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the memory counts as pinned in every CUDA context."""
 
 
 def block_size_for(nbytes: int) -> int:
@@ -53,6 +53,7 @@ class PinnedBlock:
     data: torch.Tensor
     _mapping: mmap.mmap | None
     pinned: bool
+    device: torch.device | None = None
 
     @property
     def nbytes(self) -> int:
@@ -62,11 +63,16 @@ class PinnedBlock:
 class PinnedPool:
     """Pinned blocks up to ``budget_bytes`` in all; see the module docstring."""
 
-    def __init__(self, budget_bytes: int, pin: bool | None = None) -> None:
+    def __init__(self, budget_bytes: int, pin: bool | None = None, device: torch.device | None = None,
+                 held_elsewhere: Callable[[], int] | None = None) -> None:  # fmt: skip
+        """``held_elsewhere``: host staging bytes held outside the pool under the same budget (the
+        raw host arena); ``device``: the GPU whose context registers the blocks."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.device = device
+        self._held_elsewhere = held_elsewhere
         self._lock = threading.Lock()
         self._free: list[PinnedBlock] = []
         self._allocated_bytes = 0
@@ -93,14 +99,20 @@ class PinnedPool:
         with self._lock:
             fitting = [b for b in self._free if nbytes <= b.nbytes]
             if fitting:
+                # Never pin while a fitting block is free: pinning holds the fence. An oversized
+                # block is given back by recycle() if a later save no longer needs it.
                 best = min(fitting, key=lambda b: b.nbytes)
-                if best.nbytes <= max(nbytes * REUSE_FACTOR, BLOCK_ALIGN_BYTES) or not self._room_for(nbytes):
-                    self._free.remove(best)
-                    return best
+                self._free.remove(best)
+                return best
+        return self._allocate_within_budget(nbytes)
+
+    def _allocate_within_budget(self, nbytes: int) -> PinnedBlock | None:
+        elsewhere = self._held_elsewhere() if self._held_elsewhere is not None else 0
+        with self._lock:
             size = block_size_for(nbytes)
-            if self._allocated_bytes + size > self.budget_bytes:
+            if self._allocated_bytes + elsewhere + size > self.budget_bytes:
                 size = nbytes  # no headroom when the budget is tight
-                if self._allocated_bytes + size > self.budget_bytes:
+                if self._allocated_bytes + elsewhere + size > self.budget_bytes:
                     return None
             self._allocated_bytes += size  # counted before pinning, outside the lock
             self.pinned_bytes_total += size
@@ -110,9 +122,6 @@ class PinnedPool:
             with self._lock:
                 self._allocated_bytes -= size
             raise
-
-    def _room_for(self, nbytes: int) -> bool:
-        return self._allocated_bytes + block_size_for(nbytes) <= self.budget_bytes
 
     def give_back(self, blocks: Sequence[PinnedBlock]) -> None:
         """Return blocks for reuse. Worker thread, once nothing reads them any more."""
@@ -139,17 +148,13 @@ class PinnedPool:
         """Pin free blocks of ``sizes`` bytes on a background thread (within the budget); returns the thread."""
 
         def run() -> None:
-            blocks = []  # held until the end, so each size gets a block of its own
-            try:
-                for size in sizes:
-                    block = self.acquire(size)
-                    if block is None:
-                        log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
-                                 self.budget_bytes)  # fmt: skip
-                        return
-                    blocks.append(block)
-            finally:
-                self.give_back(blocks)
+            for size in sizes:
+                block = self._allocate_within_budget(size)  # a new block each: free ones may be in use soon
+                if block is None:
+                    log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
+                             self.budget_bytes)  # fmt: skip
+                    return
+                self.give_back([block])  # usable at once, by a save that starts before the rest is pinned
 
         thread = threading.Thread(target=run, name="asyncckpt-pin", daemon=True)
         thread.start()
@@ -185,16 +190,20 @@ class PinnedPool:
         # pages that are already there is what the driver does fastest.
         data.zero_()
         if self.pin:
-            status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0)
+            # On this pool's device (the calling thread's current device may be another GPU's, or
+            # unset: a context would be made on GPU 0); portable, so any context may copy into it.
+            with torch.cuda.device(self.device):
+                status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, HOST_REGISTER_PORTABLE)
             if int(status) != 0:
                 raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(status)})")
-        return PinnedBlock(data=data, _mapping=mapping, pinned=self.pin)
+        return PinnedBlock(data=data, _mapping=mapping, pinned=self.pin, device=self.device)
 
 
 def _unpin(block: PinnedBlock) -> None:
     if block.pinned:
-        torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr())
+        with torch.cuda.device(block.device):
+            torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr())
         block.pinned = False
-    # The mapping is unmapped when the last view of `data` is gone (mmap refuses to close while exported).
+    # The mapping is unmapped once the last view of `data` (which holds the mmap object) is gone.
     block.data = torch.empty(0, dtype=torch.uint8)
     block._mapping = None

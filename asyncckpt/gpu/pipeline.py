@@ -213,7 +213,7 @@ class GpuEncoder:
                     self._compress_fenced(snapshot, gate, groups, stats, began)
                 else:
                     for group in groups:
-                        if channel.cancelled or not channel.put(*self._resolve(self._enqueue(group), stats)[:2]):
+                        if channel.cancelled or not channel.put(*self._compress_stable(group, snapshot, stats)):
                             break
         except BaseException as exc:  # noqa: BLE001 - handed to the worker through the channel
             error = exc
@@ -302,6 +302,34 @@ class GpuEncoder:
             if not self._hand_over(channel, outgoing.popleft()):
                 return
 
+    def _compress_stable(self, group: list[tuple[int, StagedTensor]], snapshot: GpuSnapshot,
+                         stats: CompressStats) -> tuple[Group, int]:  # fmt: skip
+        """Compress a group of staged bytes that stay put (arena or host copies): tensors over the
+        plan's ``max_compress_bytes``, and the whole group if GPU memory runs short, are stored raw."""
+        limit = snapshot.plan.max_compress_bytes
+        raw = [pair for pair in group if pair[1].data.numel() > limit]
+        rest = [pair for pair in group if pair[1].data.numel() <= limit]
+        blobs: Group = []
+        nbytes = 0
+        if rest:
+            try:
+                blobs, nbytes, _packed = self._resolve(self._enqueue(rest), stats)
+            except torch.cuda.OutOfMemoryError:
+                note = f"GPU memory ran short: {len(rest)} tensors stored raw"
+                stats.notes.append(note)
+                log.warning("asyncckpt: %s", note)
+                raw += rest
+                blobs = []
+        for index, staged in raw:
+            n = staged.data.numel()
+            blobs.append((index, EncodedBlob(data=staged.data, codec="none", chunks=[(n, n)])))
+            stats.specs["none"] += 1
+            stats.raw_bytes += n
+            stats.stored_bytes += n
+            nbytes += n
+        blobs.sort(key=lambda pair: pair[0])
+        return blobs, nbytes
+
     @staticmethod
     def _hand_over(channel: BlobChannel, item: _Outgoing) -> bool:
         group, size, copied, _keep_alive = item
@@ -340,10 +368,15 @@ class GpuEncoder:
         return [(index, EncodedBlob(data=host, codec="none", chunks=[(n, n)]))], n, copied, None
 
     def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> None:
+        """Open the gate behind every read of the live tensors: the encodes on this stream and raw
+        copies on the copy stream (:meth:`_store_raw`); mark it staged once they have run."""
+        if self._copy_stream is not None:
+            self.stream.wait_stream(self._copy_stream)
         done = torch.cuda.Event()
-        done.record(self.stream)  # after every kernel that reads the live tensors
+        done.record(self.stream)
         gate.open(done)
         stats.gate_seconds = time.perf_counter() - began
+        done.synchronize()
 
     def _spill(self, snapshot: GpuSnapshot, blobs: Group, nbytes: int, packed: torch.Tensor,
                stats: CompressStats) -> _Outgoing:  # fmt: skip

@@ -194,6 +194,7 @@ class GpuStager:
         host_budget_bytes: int | None = None,
         register: Callable[[torch.Tensor], None] | None = None,
         deregister: Callable[[torch.Tensor], None] | None = None,
+        fence_allowed: bool = True,
     ) -> None:
         if mode not in ("auto", "device", "fence", "host"):
             raise ValueError(f"snapshot mode must be auto, device, fence or host; got {mode!r}")
@@ -201,6 +202,8 @@ class GpuStager:
         self.device = device
         self.slots = slots
         self.window_bytes = window_bytes
+        self.fence_allowed = fence_allowed
+        """False for ``codec="none"``: nothing reads a live tensor before training moves on."""
         self.gpu_budget_bytes = gpu_budget_bytes
         self._submit = submit
         self._granted_bytes = 0
@@ -209,7 +212,7 @@ class GpuStager:
         back as available, it keeps the next save from planning around its own cache."""
         self.arena = DeviceArena(slots, device, register, deregister)
         self.host = HostStager(slots=slots, budget_bytes=host_budget_bytes)
-        self.pool = PinnedPool(self.host.budget_bytes)
+        self.pool = PinnedPool(self.host.budget_bytes, device=device, held_elsewhere=self.host.allocated_bytes)
         """Pinned blocks for compressed bytes a ``fence`` save cannot keep on the GPU."""
         self._one_gpu = torch.cuda.device_count() == 1
         self.on_mode: Callable[[str, str], None] | None = None
@@ -236,7 +239,7 @@ class GpuStager:
             try:
                 acquired = self.arena.acquire([t for t, on in zip(tensors, here, strict=True) if on])
             except torch.cuda.OutOfMemoryError as exc:  # the budget is an estimate; never fail the save for it
-                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})")
+                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})", self.fence_allowed)
         mode = plan.mode
         if self.on_mode is not None:
             self.on_mode(mode, plan.reason)
@@ -250,9 +253,7 @@ class GpuStager:
             if acquired is not None:
                 self.arena.release(acquired[0])
             raise
-        snapshot = GpuSnapshot(
-            flat, plan, self.device, host_part, BlobChannel(None if mode == "fence" else self.window_bytes), self.pool
-        )
+        snapshot = GpuSnapshot(flat, plan, self.device, host_part, BlobChannel(plan.window_bytes), self.pool)
         if acquired is not None:
             snapshot.on_release = functools.partial(self.arena.release, acquired[0])
         if host_part is not None:
@@ -290,7 +291,14 @@ class GpuStager:
             # they count as available to it.
             budget = default_gpu_budget(free + self.arena.allocated_bytes + self._granted_bytes)
         plan = plan_staging(
-            self.mode, device_bytes, budget, self.arena.allocated_bytes, self.slots, largest, self.window_bytes
+            self.mode,
+            device_bytes,
+            budget,
+            self.arena.allocated_bytes,
+            self.slots,
+            largest,
+            self.window_bytes,
+            self.fence_allowed,
         )
         if plan.mode != "host":
             granted = scratch_for(plan.group_bytes) + plan.resident_bytes

@@ -135,6 +135,8 @@ class HostStager:
         self.slots = slots
         self.budget_bytes = default_host_budget_bytes() if budget_bytes is None else budget_bytes
         self._pin = torch.cuda.is_available()
+        self._slot_bytes: dict[int, int] = {}
+        """Bytes of each arena slot allocated so far, by slot data pointer (for :meth:`allocated_bytes`)."""
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for _ in range(slots):
             self._free.put(torch.empty(0, dtype=torch.uint8))
@@ -164,8 +166,10 @@ class HostStager:
         slot = self._free.get()
         try:
             if slot.numel() < total:
+                self._slot_bytes.pop(slot.data_ptr(), None)
                 slot = torch.empty(0, dtype=torch.uint8)  # free the old slot before allocating the larger one
                 slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+                self._slot_bytes[slot.data_ptr()] = total
             copies, devices, cuda_devices, clone_bytes = [], [], set(), 0
             at = iter(offsets)
             for src, small in zip(tensors, cloned, strict=True):
@@ -211,14 +215,20 @@ class HostStager:
             slot = self._free.get()
             try:
                 if slot.numel() < total <= self.budget_bytes:
+                    self._slot_bytes.pop(slot.data_ptr(), None)
                     slot = torch.empty(0, dtype=torch.uint8)
                     slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+                    self._slot_bytes[slot.data_ptr()] = total
             finally:
                 self._free.put(slot)
 
         thread = threading.Thread(target=allocate, name="asyncckpt-prealloc", daemon=True)
         thread.start()
         return thread
+
+    def allocated_bytes(self) -> int:
+        """Host bytes the arena's slots hold (any thread)."""
+        return sum(self._slot_bytes.values())
 
     @staticmethod
     def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
