@@ -28,7 +28,8 @@ _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_
 settings.register_profile("ci", max_examples=30, deadline=None, database=None, suppress_health_check=_SLOW,
                           print_blob=True)  # fmt: skip
 settings.register_profile("nightly", max_examples=2000, deadline=None, suppress_health_check=_SLOW, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
 
 DTYPES = list(DTYPE_BY_NAME.values())
 
