@@ -71,7 +71,7 @@ def load(directory_or_checkpoint: str | os.PathLike[str], step: int | str = "lat
     began = time.perf_counter()
     resolved = resolve_for_reading(directory_or_checkpoint, step)
     path = resolved.path
-    with _naming_fallback(resolved):
+    with naming_fallback(resolved):
         manifest = read_manifest(path)
         tensors = load_tensors(path, manifest, map_location)
 
@@ -125,7 +125,7 @@ def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyRe
     """
     resolved = resolve_for_reading(path, step)
     checkpoint = resolved.path
-    with _naming_fallback(resolved):
+    with naming_fallback(resolved):
         manifest = read_manifest(checkpoint)
         count = sum(1 for _ in _decoded_tensors(checkpoint, manifest))
         unflatten(manifest.structure, _index_checker(count, checkpoint), str(checkpoint))
@@ -135,7 +135,7 @@ def verify(path: str | os.PathLike[str], step: int | str = "latest") -> VerifyRe
 
 
 @contextmanager
-def _naming_fallback(resolved: Resolved) -> Iterator[None]:
+def naming_fallback(resolved: Resolved) -> Iterator[None]:
     """A corrupt checkpoint reached through ``latest`` is an error that names the step to load instead."""
     try:
         yield

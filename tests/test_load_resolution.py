@@ -68,3 +68,20 @@ def test_a_step_directory_that_is_a_symlink_outside_the_run_is_not_read(run: Pat
     (run / LATEST_NAME).write_text("step-0000000100\n")
     _both(run, r"step-0000000100 is a symlink \(latest names it\)")
     assert torch.equal(asyncckpt.load(outside)["w"], torch.full((4,), 100.0))  # named directly: read as given
+
+
+def test_load_rank_is_as_strict_as_load(tmp_path: Path) -> None:
+    from asyncckpt.distributed import DistributedCheckpointer, load_rank
+
+    root = tmp_path / "dist"
+    ranks = [DistributedCheckpointer(root, rank=r, world_size=2, session="s1") for r in (0, 1)]
+    for step in (100, 200):
+        for handle in [ckpt.save(step, {"x": torch.full((2,), float(step + r))}) for r, ckpt in enumerate(ranks)]:
+            handle.result(timeout=30)
+    for ckpt in ranks:
+        ckpt.close()
+    assert torch.equal(load_rank(root, 1)["x"], torch.full((2,), 201.0))
+    (root / "step-0000000200" / MANIFEST_NAME).unlink()
+    with pytest.raises(asyncckpt.CheckpointError, match=r"latest names step 200, .*step is 100"):
+        load_rank(root, 1)
+    assert torch.equal(load_rank(root, 1, step=100)["x"], torch.full((2,), 101.0))

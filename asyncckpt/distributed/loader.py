@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..layout import resolve_checkpoint
-from ..loader import MapLocation, load_tensors
+from ..loader import MapLocation, load_tensors, naming_fallback
 from ..manifest import read_manifest
 from ..observer import notify_load_finished
+from ..resolve import resolve_for_reading
 from ..tree import unflatten
 from .protocol import rank_part
 
@@ -37,16 +37,20 @@ def load_rank(directory_or_checkpoint: str | os.PathLike[str], rank: int | None 
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
-    path = resolve_checkpoint(directory_or_checkpoint, step)
-    manifest = read_manifest(path)
-    part, skeleton, first = rank_part(manifest, rank, str(path))
-    tensors = load_tensors(path, part, map_location)
+    resolved = resolve_for_reading(directory_or_checkpoint, step)  # as load(): no silent fallback, no symlinks
+    path = resolved.path
+    with naming_fallback(resolved):
+        manifest = read_manifest(path)
+        part, skeleton, first = rank_part(manifest, rank, str(path))
+        tensors = load_tensors(path, part, map_location)
 
-    def tensor_at(index: int) -> torch.Tensor:
-        if not first <= index < first + len(tensors):
-            raise CorruptCheckpointError(f"{path}: rank {rank}'s structure refers to tensor {index}, outside its part")
-        return tensors[index - first]
+        def tensor_at(index: int) -> torch.Tensor:
+            if not first <= index < first + len(tensors):
+                raise CorruptCheckpointError(
+                    f"{path}: rank {rank}'s structure refers to tensor {index}, outside its part"
+                )
+            return tensors[index - first]
 
-    state = unflatten(skeleton, tensor_at, f"{path} (rank {rank})")
+        state = unflatten(skeleton, tensor_at, f"{path} (rank {rank})")
     notify_load_finished(time.perf_counter() - began)  # the asyncckpt_load_seconds metric, as for load()
     return state
