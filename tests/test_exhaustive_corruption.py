@@ -3,7 +3,8 @@
 For each corrupted copy, :func:`asyncckpt.load` must return the original state bit for bit, or
 both ``load`` and :func:`asyncckpt.verify` must raise CorruptCheckpointError. Anything else (a
 silently different state, another exception, or verify passing what load refuses) fails the
-test. The counts are printed and written to ``$ASYNCCKPT_CORRUPTION_COUNTS`` (JSON) when set.
+test. The counts are printed, recorded as JUnit properties, and written to
+``$ASYNCCKPT_CORRUPTION_COUNTS`` (JSON) when set.
 
 Runs in-process, flipping a byte in place with ``pwrite`` and flipping it back, so each case
 costs one load, and one verify when load refuses it (about a millisecond in all). The small
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,10 @@ def _exhaust(checkpoint: Path, original: Any) -> dict[str, Counter[str]]:
     return results
 
 
-def _report(label: str, results: dict[str, Counter[str]]) -> None:
+def _report(label: str, results: dict[str, Counter[str]], record: Callable[[str, object], None]) -> None:
+    """Print the counts (seen with ``pytest -s``), attach them to the JUnit report, and write them to
+    ``$ASYNCCKPT_CORRUPTION_COUNTS`` when set."""
+    record(label, {name: dict(counts) for name, counts in results.items()})
     print(f"\n{label}:")
     for name, counts in results.items():
         print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
@@ -120,22 +124,26 @@ def _checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def test_every_flip_and_truncation_of_a_small_checkpoint_is_detected_or_harmless(run_dir: Path) -> None:
+def test_every_flip_and_truncation_of_a_small_checkpoint_is_detected_or_harmless(
+    run_dir: Path, record_property: Callable[[str, object], None]
+) -> None:
     state = _small_state()
     path = _checkpoint(run_dir, state)
     assert (path / "data-0.bin").stat().st_size < 64 and (path / MANIFEST_NAME).stat().st_size < 4096
     results = _exhaust(path, state)
-    _report("small checkpoint", results)
+    _report("small checkpoint", results, record_property)
     manifest = results[MANIFEST_NAME]
     flips = 8 * (path / MANIFEST_NAME).stat().st_size
     assert manifest["flip detected"] == flips, "every bit of a sealed manifest is covered by its digest"
 
 
-def test_every_flip_and_truncation_of_a_two_blob_checkpoint_is_detected_or_harmless(run_dir: Path) -> None:
+def test_every_flip_and_truncation_of_a_two_blob_checkpoint_is_detected_or_harmless(
+    run_dir: Path, record_property: Callable[[str, object], None]
+) -> None:
     state = _two_blob_state()
     path = _checkpoint(run_dir, state)
     results = _exhaust(path, state)
-    _report("two-blob checkpoint", results)
+    _report("two-blob checkpoint", results, record_property)
     data = results["data-0.bin"]
     assert data["flip harmless"] == 8 * (
         4096 - json.loads((path / MANIFEST_NAME).read_bytes())["tensors"][0]["stored_bytes"]
