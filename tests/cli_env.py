@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,18 +23,36 @@ def cli(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None =
                           timeout=timeout, env=full_env, cwd=cwd or REPO)  # fmt: skip
 
 
-def cli_all(*commands: list[str | Path], env: dict[str, str] | None = None,
-            timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:  # fmt: skip
-    """Several ``asyncckpt`` runs at once (each a fresh interpreter, as :func:`cli`); results in order."""
+_CALLS = """
+import contextlib, io, json, sys
+from asyncckpt.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's own exits (usage errors, --help)
+            status = exc.code if isinstance(exc.code, int) else 1
+    results.append([status, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def cli_calls(*commands: list[str | Path], env: dict[str, str] | None = None,
+              timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:  # fmt: skip
+    """Several ``asyncckpt`` commands through the real ``asyncckpt.cli.main`` in one fresh interpreter.
+
+    One interpreter start (torch's import) for all of them instead of one each; what the command
+    line does per command (arguments, exit status, stdout, stderr) is the same. Results in order.
+    """
+    argvs = [[str(a) for a in args] for args in commands]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    procs = [subprocess.Popen([sys.executable, "-m", "asyncckpt", *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
-             for args in commands]  # fmt: skip
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    return results
+    proc = subprocess.run([sys.executable, "-c", _CALLS, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [subprocess.CompletedProcess(argv, status, out, err) for argv, (status, out, err)
+            in zip(argvs, json.loads(proc.stdout.splitlines()[-1]), strict=True)]  # fmt: skip
 
 
 class Tied(torch.nn.Module):

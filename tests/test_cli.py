@@ -55,7 +55,7 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
 
 
 def test_demo_without_dir_leaves_nothing_behind(tmp_path: Path) -> None:
-    proc = run_python(CLI, "demo", "--steps", "10", "--save-every", "5", "--width", "64", timeout=180,
+    proc = run_python(CLI, "demo", "--steps", "2", "--save-every", "1", "--width", "32", timeout=180,
                       env={"TMPDIR": str(tmp_path)})  # fmt: skip
     assert "bit-for-bit equal" in proc.stdout and "removed " in proc.stdout
     # Neither the checkpoints nor the torch.save scratch directory (torch may leave its own inductor cache).

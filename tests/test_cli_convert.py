@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_env import Tied, cli, cli_all, saved_run
+from cli_env import Tied, cli, cli_calls, saved_run
 
 import asyncckpt
 from asyncckpt.gpu.deps import gpu_path_installed
@@ -37,15 +37,17 @@ def test_safetensors_export_loads_into_the_model(tmp_path: Path) -> None:
 def test_safetensors_export_of_another_entry_and_torch_export(tmp_path: Path) -> None:
     saved_run(tmp_path / "run")
     state = asyncckpt.load(tmp_path / "run")
-    optim = tmp_path / "optim.safetensors"
-    assert cli("convert", tmp_path / "run", optim, "--to", "safetensors", "--key", "optim").returncode == 0
+    optim, whole = tmp_path / "optim.safetensors", tmp_path / "state.pt"
+    exported, missing, saved = cli_calls(
+        ["convert", tmp_path / "run", optim, "--to", "safetensors", "--key", "optim"],
+        ["convert", tmp_path / "run", tmp_path / "x.safetensors", "--to", "safetensors", "--key", "nope"],
+        ["convert", tmp_path / "run", whole, "--to", "torch"],
+    )
+    assert exported.returncode == 0 and saved.returncode == 0, (exported.stderr, saved.stderr)
     loaded = safetensors_torch.load_file(str(optim))
     assert torch.equal(loaded["state.0.exp_avg"], state["optim"]["state"][0]["exp_avg"])
-    missing = cli("convert", tmp_path / "run", tmp_path / "x.safetensors", "--to", "safetensors", "--key", "nope")
     assert missing.returncode == 2 and "no entry 'nope'" in missing.stderr and "model" in missing.stderr
 
-    whole = tmp_path / "state.pt"
-    assert cli("convert", tmp_path / "run", whole, "--to", "torch").returncode == 0
     back = torch.load(whole, weights_only=True)
     assert first_difference(state, back) is None and back["step"] == 2
     assert back["model"]["head.weight"] is back["model"]["embed.weight"] or (
@@ -59,7 +61,7 @@ def test_convert_offers_only_codecs_this_machine_writes(tmp_path: Path) -> None:
     saved_run(tmp_path / "run")
     codecs = ("lz4", "deflate", "ans")
     runs = [["convert", tmp_path / "run", tmp_path / c, "--codec", c] for c in ("none", *codecs)]
-    help_run, ok, *refused = cli_all(["convert", "--help"], *runs)
+    help_run, ok, *refused = cli_calls(["convert", "--help"], *runs)
     usage = " ".join(help_run.stdout.split())
     assert "{zstd,none}" in usage and "need a CUDA GPU and the GPU extra" in usage
     for codec, proc in zip(codecs, refused, strict=True):

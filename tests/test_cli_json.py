@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_env import cli, saved_run
+from cli_env import cli, cli_calls, saved_run
 
 
 def test_ls_reports_a_bad_checkpoint_in_its_row_and_goes_on(tmp_path: Path) -> None:
     run = tmp_path / "run"
     saved_run(run, steps=(1, 2, 3))
     (run / "step-0000000002" / "manifest.json").write_text("{not json")
-    proc = cli("ls", run)
+    proc, listed = cli_calls(["ls", run], ["ls", run, "--json"])
     assert proc.returncode == 1, proc.stderr  # something listed is corrupt
     rows = proc.stdout.splitlines()[1:]
     assert len(rows) == 3 and "Traceback" not in proc.stderr
@@ -20,7 +20,7 @@ def test_ls_reports_a_bad_checkpoint_in_its_row_and_goes_on(tmp_path: Path) -> N
     assert "CORRUPT:" in rows[1] and "step-0000000002" in rows[1]
     assert "step-0000000003" in rows[2] and "<- latest" in rows[2] and "CORRUPT" not in rows[2]
 
-    doc = json.loads(cli("ls", run, "--json").stdout)
+    doc = json.loads(listed.stdout)
     by_step = {row["step"]: row for row in doc["checkpoints"]}
     assert sorted(by_step) == [1, 2, 3] and "error" in by_step[2] and "raw_bytes" not in by_step[2]
     manifest = json.loads((run / "step-0000000003" / "manifest.json").read_text())
@@ -33,13 +33,13 @@ def test_inspect_and_verify_json(tmp_path: Path) -> None:
     checkpoint = run / "step-0000000004"
     manifest = json.loads((checkpoint / "manifest.json").read_text())
 
-    doc = json.loads(cli("inspect", run, "--json").stdout)
+    inspected, ok = cli_calls(["inspect", run, "--json"], ["verify", run, "--json"])
+    doc = json.loads(inspected.stdout)
     assert doc["step"] == 4 and doc["path"] == str(checkpoint)
     assert [t["key"] for t in doc["tensors"]] == [t["key"] for t in manifest["tensors"]]
     assert doc["raw_bytes"] == sum(t["raw_bytes"] for t in manifest["tensors"])
     assert {"dtype", "shape", "codec", "stored_bytes", "checksum"} <= set(doc["tensors"][0])
 
-    ok = cli("verify", run, "--json")
     report = json.loads(ok.stdout)
     assert ok.returncode == 0 and report["ok"] is True and report["step"] == 4
     assert report["tensors"] == len(manifest["tensors"])

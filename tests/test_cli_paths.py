@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from cli_env import REPO, cli, cli_all, saved_run
+from cli_env import REPO, cli, cli_calls, saved_run
 
 import asyncckpt
 
@@ -41,7 +41,7 @@ def test_missing_odd_and_empty_paths_are_one_line_and_status_2(tmp_path: Path) -
     cases = [(command, tmp_path / "missing", "missing: no such") for command in COMMANDS]
     cases += [(command, afile, "is a file, not a") for command in COMMANDS]
     cases += [(command, empty, "no committed checkpoint") for command in COMMANDS[1:]]  # ls: an empty listing
-    results = cli_all(*(_args(command, path, tmp_path) for command, path, _ in cases))  # at once: faster
+    results = cli_calls(*(_args(command, path, tmp_path) for command, path, _ in cases))  # one interpreter
     for (command, path, expected), proc in zip(cases, results, strict=True):
         line = _one_line_error(proc)
         assert expected in line, (command, path.name, line)
