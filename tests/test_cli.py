@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import torch
+from cli_env import cli_calls
 from conftest import run_python
 
 import asyncckpt
@@ -31,13 +32,13 @@ def test_ls_inspect_verify(tmp_path: Path) -> None:
     with asyncckpt.AsyncCheckpointer(run) as ckpt:
         ckpt.save(3, {"layer": {"weight": torch.zeros(64, 64), "bias": torch.ones(64, dtype=torch.bfloat16)}},
                   metadata={"epoch": 1})  # fmt: skip
-    listing = run_python(CLI, "ls", str(run)).stdout
-    assert "step-0000000003" in listing and "<- latest" in listing
-    table = run_python(CLI, "inspect", str(run)).stdout
+    listing, inspected, verified = cli_calls(["ls", run], ["inspect", run], ["verify", run])
+    assert "step-0000000003" in listing.stdout and "<- latest" in listing.stdout
+    table = inspected.stdout
     assert re.search(r"layer/weight\s+float32\s+\(64, 64\)\s+cpu\s+zstd", table)
     assert re.search(r"layer/bias\s+bfloat16\s+\(64,\)", table)
     assert "{'epoch': 1}" in table
-    assert run_python(CLI, "verify", str(run)).stdout.startswith("OK:")
+    assert verified.returncode == 0 and verified.stdout.startswith("OK:")
 
     manifest = run / "step-0000000003" / "manifest.json"
     doc = json.loads(manifest.read_text())
