@@ -173,3 +173,28 @@ def test_hub_push_gets_the_files_upstream_uploads(tmp_path: Path, strategy: str)
         assert {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME} <= set(files)  # what upstream copies
         if strategy == "checkpoint":  # the whole folder is uploaded: its training state is committed first
             assert files == CHECKPOINT_FILES and committed
+
+
+def test_checkpoints_of_the_earlier_layout_still_resume(tmp_path: Path) -> None:
+    """Before the model files moved to upstream's layout, ``checkpoint-N/`` was one asyncckpt checkpoint
+    holding the model, optimizer, scheduler and RNG states, with ``trainer_state.json`` beside its
+    manifest. Such a checkpoint (written here as that code wrote it) resumes to the same end state."""
+    from asyncckpt.integrations._targeted import TargetedCheckpointer
+
+    straight = _trainer(tmp_path / "a")
+    straight.train()
+    new_layout = tmp_path / "a" / "checkpoint-3"
+    state = {"model": transformers.GPT2LMHeadModel.from_pretrained(new_layout).state_dict(),
+             **asyncckpt.load(new_layout / STATE_DIR)}  # fmt: skip
+    old_layout = tmp_path / "old" / "checkpoint-3"
+    with TargetedCheckpointer(tmp_path / "old", codec="zstd") as ckpt:
+        ckpt.save_to(old_layout, state, files={"trainer_state.json": (new_layout / "trainer_state.json").read_bytes()})
+    assert (old_layout / "manifest.json").is_file() and not (old_layout / "model.safetensors").exists()
+
+    resumed = _trainer(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=str(old_layout))
+    assert resumed.state.global_step == 6
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), f"{key}: the resumed run diverged"
+    for trainer in (straight, resumed):
+        trainer.close_checkpointer()

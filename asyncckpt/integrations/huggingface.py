@@ -77,7 +77,20 @@ _HUB_FOLDER_STRATEGIES = ("checkpoint", "all_checkpoints")  # upload the checkpo
 
 def is_asyncckpt_checkpoint(path: str | os.PathLike[str] | None) -> bool:
     """True when ``path`` is a ``checkpoint-N/`` whose asyncckpt training state is committed."""
-    return path is not None and (Path(path) / STATE_DIR / MANIFEST_NAME).is_file()
+    return _state_dir(path) is not None
+
+
+def _state_dir(path: str | os.PathLike[str] | None) -> Path | None:
+    """Where ``checkpoint-N/`` keeps its asyncckpt training state: ``asyncckpt/``; or, for checkpoints
+    written before the model files moved to upstream's layout, ``checkpoint-N/`` itself (a manifest
+    at its root holding the model too). None when there is none."""
+    if path is None:
+        return None
+    if (Path(path) / STATE_DIR / MANIFEST_NAME).is_file():
+        return Path(path) / STATE_DIR
+    if (Path(path) / MANIFEST_NAME).is_file():
+        return Path(path)
+    return None
 
 
 def _uncommitted(path: str | os.PathLike[str]) -> bool:
@@ -198,11 +211,20 @@ class AsyncCkptTrainerMixin:
     # -- resuming: the model comes from upstream's files (upstream _load_from_checkpoint), the rest from asyncckpt/
     def _resumed(self, checkpoint: str) -> dict[str, Any]:
         if self._asyncckpt_resumed is None or self._asyncckpt_resumed.get("_path") != str(checkpoint):
-            state = load(Path(checkpoint) / STATE_DIR, map_location="cpu")
-            if not isinstance(state, dict) or "optimizer" not in state:
-                raise CheckpointError(f"{checkpoint}/{STATE_DIR}: not a training state written by AsyncCkptTrainer")
+            where = _state_dir(checkpoint)
+            state = load(where, map_location="cpu") if where is not None else None
+            if not isinstance(state, dict) or not ({"optimizer", "model"} & set(state)):
+                raise CheckpointError(f"{checkpoint}: not a training state written by AsyncCkptTrainer")
             self._asyncckpt_resumed = {**state, "_path": str(checkpoint)}
         return self._asyncckpt_resumed
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        # The model comes from upstream's files, except in checkpoints of the earlier layout,
+        # which hold it in the asyncckpt state at their root.
+        if _state_dir(resume_from_checkpoint) != Path(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        target = model if model is not None else self.model  # type: ignore[attr-defined]
+        target.load_state_dict(self._resumed(resume_from_checkpoint)["model"])
 
     def _committed(self, checkpoint: str | None) -> bool:
         """Whether ``checkpoint`` has an asyncckpt training state; raises if its save never committed."""
@@ -225,7 +247,8 @@ class AsyncCkptTrainerMixin:
         assert checkpoint is not None
         state = self._resumed(checkpoint)
         trainer: Any = self
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # absent only in an earlier-layout save_only_model checkpoint
+            trainer.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state and trainer.lr_scheduler is not None:
             trainer.lr_scheduler.load_state_dict(state["scheduler"])
         scaler = getattr(trainer.accelerator, "scaler", None)
