@@ -84,3 +84,17 @@ def test_convert_refuses_to_overwrite_an_export(tmp_path: Path) -> None:
     (tmp_path / "out.pt").write_text("keep me")
     line = _one_line_error(cli("convert", tmp_path / "run", tmp_path / "out.pt", "--to", "torch"))
     assert "already exists" in line and (tmp_path / "out.pt").read_text() == "keep me"
+
+
+def test_latest_naming_a_missing_checkpoint_is_refused_not_replaced(tmp_path: Path) -> None:
+    """inspect, verify and convert resolve a run directory as load() does: when ``latest`` names a
+    checkpoint that is gone, they say so instead of reading an older one."""
+    run = tmp_path / "run"
+    with asyncckpt.AsyncCheckpointer(run, codec="zstd") as ckpt:
+        for step in (100, 200):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).result()
+    (run / "step-0000000200" / "manifest.json").unlink()
+    results = cli_calls(*(_args(command, run, tmp_path) for command in COMMANDS[1:]))
+    for command, proc in zip(COMMANDS[1:], results, strict=True):
+        line = _one_line_error(proc)
+        assert "names step 200" in line and "not falling back" in line, (command, line)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..layout import resolve_checkpoint
 from ..manifest import MANIFEST_NAME, read_manifest
+from ..resolve import resolve_for_reading
 
 
 def existing_directory(path: str, what: str) -> Path:
@@ -24,9 +24,12 @@ def existing_directory(path: str, what: str) -> Path:
 
 
 def checkpoint_path(path: str, step: int | None) -> Path:
-    """The checkpoint ``path`` names: itself, or its latest (or ``step``) when it is a run directory."""
+    """The checkpoint ``path`` names: itself, or its latest (or ``step``) when it is a run directory.
+
+    Resolved as ``load`` resolves it (:mod:`asyncckpt.resolve`): a ``latest`` naming a missing
+    checkpoint, or a symlinked step, is an error, never a silent older checkpoint."""
     existing_directory(path, "checkpoint or run directory")
-    return resolve_checkpoint(path, "latest" if step is None else step)
+    return resolve_for_reading(path, "latest" if step is None else step).path
 
 
 def stored_bytes(path: str, step: int | None) -> int:
