@@ -178,6 +178,23 @@ def test_round_trip_and_metrics_hooks(tmp_path: Path) -> None:
     assert first_difference(_state(), back) is None
 
 
+class RaisingRecorder(Recorder):
+    def save_finished(self, result: SaveResult, inflight: int) -> None:
+        raise RuntimeError("a dashboard hook that breaks")
+
+
+@single_process
+def test_a_raising_observer_hook_does_not_fail_a_dcp_save(tmp_path: Path) -> None:
+    """A hook that raises is logged and counted; the checkpoint it reports on is committed and loads."""
+    writer = AsyncCkptWriter(tmp_path / "step-3", observer=RaisingRecorder())
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=writer, no_dist=True)
+    writer.close()
+    assert writer.observer.errors == 1
+    back = {"w": torch.zeros(10)}
+    dcp.load(back, storage_reader=AsyncCkptReader(tmp_path / "step-3"), no_dist=True)
+    assert torch.equal(back["w"], torch.arange(10.0))
+
+
 @single_process
 def test_overwrite_replaces_a_checkpoint_whole(tmp_path: Path) -> None:
     first, second = {"w": torch.zeros(1000)}, {"w": torch.ones(1000), "v": torch.ones(3)}

@@ -66,7 +66,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import publish
 from ..loader import load_tensors
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest, write_manifest
-from ..observer import NullObserver, SaveObserver, notify_load_finished
+from ..observer import GuardedObserver, NullObserver, SaveObserver, notify_load_finished
 from ..options import resolve_options
 from ..persist import write_part
 from ..result import SaveResult
@@ -134,7 +134,8 @@ class AsyncCkptWriter(StorageWriter):
         self.options = resolve_options(**options)
         self.path = Path(path) if path is not None else None
         self.overwrite = overwrite
-        self.observer = observer if observer is not None else _default_observer(self.options, registry)
+        # Guarded: a hook that raises is logged and counted, and never fails a write that succeeded.
+        self.observer = GuardedObserver(observer if observer is not None else _default_observer(self.options, registry))
         self._backend = build_backend(self.options)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
