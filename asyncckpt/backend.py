@@ -7,41 +7,16 @@ imports nvCOMP/KvikIO lazily and fails with the pip line to run when they are mi
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 from .codecs import Encoder, NoneCodec, ZstdCodec
+from .data_path import Backend
 from .errors import CheckpointError, MissingDependencyError, gpu_extra_hint
 from .options import CheckpointOptions
-from .snapshot import HostStager, Stager
-from .storage import PosixStorage, Storage
+from .snapshot import HostStager
+from .storage import PosixStorage
+
+__all__ = ["CPU_ENCODERS", "Backend", "build_backend", "cpu_encoder"]
 
 CPU_ENCODERS = ("auto", "zstd", "none")
-
-log = logging.getLogger("asyncckpt")
-
-
-@dataclass
-class Backend:
-    stager: Stager
-    encoder: Encoder
-    storage: Storage
-    snapshot_mode: str
-    """The mode of the latest save (the GPU stager decides per save)."""
-    snapshot_reason: str = "CPU tensors are staged in host memory"
-    """Why that mode ran, for ``SaveResult.snapshot_reason``."""
-
-    def set_snapshot_mode(self, mode: str, reason: str) -> None:
-        """Record the mode a save runs in; logged when it changes. Training thread."""
-        if (mode, reason) != (self.snapshot_mode, self.snapshot_reason):
-            log.info("asyncckpt: snapshot=%s: %s", mode, reason)
-        self.snapshot_mode, self.snapshot_reason = mode, reason
-
-    def close(self) -> None:
-        self.stager.close()
-        close = getattr(self.encoder, "close", None)
-        if close is not None:
-            close()
 
 
 def cpu_encoder(options: CheckpointOptions) -> Encoder:

@@ -10,25 +10,24 @@ recorded size. No pickle, no code from the checkpoint is ever run. Runs on the c
 from __future__ import annotations
 
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import checksum
-from .codecs import check_expansion, get_decoder
+from .codecs import get_decoder
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import Manifest, TensorRecord, read_manifest
 from .observer import notify_load_finished
+from .read_layout import check_layout, destination, tensor_where
 from .resolve import Resolved, resolve_for_reading
-from .storage import BlobReader, PosixStorage, Storage, align_up
+from .storage import BlobReader, PosixStorage, Storage
 from .tree import unflatten
 
 MapLocation = str | torch.device | None
@@ -155,72 +154,6 @@ def _index_checker(count: int, path: Path) -> Callable[[int], torch.Tensor]:
     return check
 
 
-def _data_file(checkpoint: Path, name: str) -> tuple[Path, int]:
-    """The path and size of a data file, which must be a regular file directly inside ``checkpoint``."""
-    path = checkpoint / name
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{checkpoint}: data file {name!r} named in the manifest is missing") from None
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: cannot stat the data file: {exc}") from exc
-    if not stat.S_ISREG(info.st_mode):
-        raise CorruptCheckpointError(f"{checkpoint}: data file {name!r} is not a regular file")
-    return path, info.st_size
-
-
-def check_layout(checkpoint: Path, records: list[TensorRecord]) -> dict[str, tuple[Path, int]]:
-    """Check where every blob lies before any is read; returns each data file's path and size.
-
-    Every blob must lie inside its file (:func:`check_within_file`), no two non-empty blobs may
-    share a byte (a writer never shares them, and 256 records of one blob would make a reader
-    decode it 256 times), and no chunk may claim more raw bytes than its codec can produce from
-    it (:func:`asyncckpt.codecs.check_expansion`). Together with the manifest's own checks this
-    bounds what a reader reads, allocates and decodes by the bytes the files really hold. Costs
-    one sort of the table. Runs on the calling thread.
-    """
-    files: dict[str, tuple[Path, int]] = {}
-    by_file: dict[str, list[TensorRecord]] = {}
-    for record in records:
-        where = tensor_where(checkpoint, record)
-        if record.file not in files:
-            files[record.file] = _data_file(checkpoint, record.file)
-        check_within_file(record, files[record.file][1], where)
-        check_expansion(record.codec, record.chunks, where)
-        if record.stored_bytes:
-            by_file.setdefault(record.file, []).append(record)
-    for blobs in by_file.values():
-        blobs.sort(key=lambda r: r.offset)
-        for before, after in pairwise(blobs):
-            if after.offset < before.offset + before.stored_bytes:
-                raise CorruptCheckpointError(
-                    f"{tensor_where(checkpoint, after)}: blob at offset {after.offset} overlaps the blob of "
-                    f"{before.key!r} at offset {before.offset} ({before.stored_bytes} bytes); the manifest is corrupt"
-                )
-    return files
-
-
-def check_within_file(record: TensorRecord, file_bytes: int, where: str) -> None:
-    """Raise CorruptCheckpointError if ``record``'s blob does not lie inside its data file.
-
-    A blob of 0 bytes (an empty tensor stored raw) lies inside its file at any offset up to the
-    file's end rounded up to the 4096-byte alignment: a writer places it at the next aligned
-    offset, which is past the end when it is the file's last blob, and no byte of it is read.
-    """
-    if record.stored_bytes == 0 and record.offset <= align_up(file_bytes):
-        return
-    if record.offset + record.stored_bytes > file_bytes:
-        raise CorruptCheckpointError(
-            f"{where}: blob at offset {record.offset} of {record.stored_bytes} bytes extends past the end "
-            f"of the file ({file_bytes} bytes); the file is truncated"
-        )
-
-
-def tensor_where(checkpoint: Path, record: TensorRecord) -> str:
-    """How errors name a tensor: the checkpoint, its key and its data file."""
-    return f"{checkpoint}: tensor {record.key!r} in {record.file}"
-
-
 def _decoded_tensors(checkpoint: Path, manifest: Manifest) -> Iterator[torch.Tensor]:
     """Yield each tensor of the table, decoded into host memory in its saved dtype and shape."""
     storage: Storage = PosixStorage()
@@ -260,27 +193,3 @@ def _decode(blob: torch.Tensor, record: TensorRecord, where: str) -> torch.Tenso
     if record.raw_bytes == 0:
         return torch.empty(record.shape, dtype=dtype)
     return out.view(dtype).view(record.shape)
-
-
-def destination(record: TensorRecord, target: torch.device | None, where: str) -> torch.device:
-    """The device a tensor is restored to: ``map_location`` if given, else where it was saved from."""
-    try:
-        device = target if target is not None else torch.device(record.device)
-    except RuntimeError as exc:
-        raise CorruptCheckpointError(f"{where}: invalid device {record.device!r}") from exc
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise CheckpointError(
-                f"{where}: was saved from {record.device} but CUDA is not available here; pass map_location='cpu'"
-            )
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= count:
-            raise CheckpointError(
-                f"{where}: saved from {device}, but this machine has {count} CUDA device(s); "
-                "pass map_location='cuda:0' (or 'cpu')"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise CheckpointError(f"{where}: cannot place a tensor on {device}")
-    return device

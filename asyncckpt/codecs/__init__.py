@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError, gpu_extra_hint
-from .base import Decoder, EncodedBlob, Encoder
+from .base import CPU_CODECS, GPU_ONLY_CODECS, Decoder, EncodedBlob, Encoder
 from .deflate import DeflateDecoder
 from .lz4 import Lz4Decoder
 from .none import NoneCodec
@@ -19,11 +19,6 @@ from .zstd import ZstdCodec
 __all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "ZstdCodec", "get_decoder", "register_decoder",
            "GPU_ONLY_CODECS", "CPU_CODECS", "MAX_EXPANSION", "check_expansion"]  # fmt: skip
 
-CPU_CODECS = ("none", "zstd", "lz4", "deflate")
-"""Codec names a CPU-only machine can decode."""
-
-GPU_ONLY_CODECS = frozenset({"ans", "gdeflate", "bitcomp", "cascaded"})
-"""nvCOMP formats with no CPU decoder: reading them needs a GPU and the GPU extra."""
 
 MAX_EXPANSION: dict[str, tuple[int, int]] = {"none": (1, 0), "zstd": (1 << 15, 0), "lz4": (256, 64),
                                               "deflate": (1040, 1024)}  # fmt: skip
@@ -53,9 +48,10 @@ def get_decoder(name: object, where: str) -> Decoder:
         from ..gpu.deps import gpu_path_available  # cheap: nothing optional is imported without CUDA
 
         if gpu_path_available():
-            from ..gpu.decoders import register
+            from ..gpu.decoders import nvcomp_decoder_factories
 
-            register()  # nvCOMP decoders for the GPU-only formats
+            for gpu_name, factory in nvcomp_decoder_factories().items():  # the GPU-only formats
+                register_decoder(gpu_name, factory)
     if name not in _decoder_factories:
         if name in GPU_ONLY_CODECS:
             raise CheckpointError(

@@ -18,6 +18,12 @@ from typing import Any, Protocol
 
 import torch
 
+CPU_CODECS = ("none", "zstd", "lz4", "deflate")
+"""Codec names a CPU-only machine can decode."""
+
+GPU_ONLY_CODECS = frozenset({"ans", "gdeflate", "bitcomp", "cascaded"})
+"""nvCOMP formats with no CPU decoder: reading them needs a GPU and the GPU extra."""
+
 
 @dataclass(frozen=True)
 class EncodedBlob:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..backend import Backend
+from ..data_path import Backend
 from ..errors import CheckpointError
 from ..options import CheckpointOptions
 from .deps import kvikio, nvcomp, require_cuda

@@ -11,13 +11,15 @@ returns only once its outputs are complete.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..codecs.base import CPU_CODECS
 from ..errors import CorruptCheckpointError
 from . import batch
 from .planes import join_into, join_tensor_into, plane_stride
@@ -198,16 +200,12 @@ class NvcompDecoder:
             out.copy_(target)
 
 
-def register() -> bool:
-    """Make every nvCOMP codec name decodable through :mod:`asyncckpt.codecs` (GPU-only ones
-    included). Returns False, changing nothing, when the GPU path is not usable here."""
-    from ..codecs import CPU_CODECS, register_decoder
+def nvcomp_decoder_factories() -> dict[str, Callable[[], NvcompDecoder]]:
+    """A decoder factory per nvCOMP codec name the CPU cannot decode, for :mod:`asyncckpt.codecs`'s
+    registry (which imports this lazily); empty when the GPU path is not usable here."""
     from .deps import gpu_path_available
 
     if not gpu_path_available():
-        return False
-    for name in ALGORITHMS:
-        if name in CPU_CODECS:
-            continue  # the CPU decoders read these standard formats without a GPU round trip
-        register_decoder(name, lambda name=name: NvcompDecoder(name))  # type: ignore[misc]
-    return True
+        return {}
+    # The CPU decoders read the standard formats (zstd, lz4, deflate) without a GPU round trip.
+    return {name: functools.partial(NvcompDecoder, name) for name in ALGORITHMS if name not in CPU_CODECS}

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, MissingDependencyError
-
-EXTRAS = {12: "cu12", 13: "cu13"}
-"""The GPU extra for each CUDA major torch can be built for (``pyproject.toml``'s optional dependencies)."""
+from ..install_hint import EXTRAS, extra_for_torch, gpu_extra_hint
 
 _modules: dict[str, ModuleType] = {}
 
@@ -97,42 +95,6 @@ def require_cuda(what: str) -> torch.device:
             f"install the GPU extra:\n{gpu_extra_hint()}"
         )
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def extra_for_torch(cuda_version: str | None = None) -> str | None:
-    """The extra matching torch's CUDA build (``torch.version.cuda``, e.g. "13.0" -> "cu13"); None if none does.
-
-    The extra follows the CUDA that torch was built for, not the driver: a driver runs every older
-    CUDA, and cupy/nvCOMP/KvikIO built for another CUDA major than torch's would load a second
-    CUDA runtime beside torch's.
-    """
-    version = torch.version.cuda if cuda_version is None else cuda_version
-    if not version:
-        return None
-    major = version.split(".")[0]
-    return EXTRAS.get(int(major)) if major.isdigit() else None
-
-
-def gpu_extra_hint(cuda_version: str | None = None) -> str:
-    """The ``pip install`` lines for the GPU extra, naming the one that matches torch's CUDA build first."""
-    version = torch.version.cuda if cuda_version is None else cuda_version
-    extra = extra_for_torch(version)
-    if extra is not None:
-        other = next(f"CUDA {m}" for m, e in EXTRAS.items() if e != extra)
-        other_line = next(f'pip install "asyncckpt[{e}]"' for e in EXTRAS.values() if e != extra)
-        matches = f"matches this torch {torch.__version__} (built for CUDA {version})"
-        return (f'pip install "asyncckpt[{extra}]"   # {matches}\n'
-                f"(the extra follows torch's CUDA build: with a torch built for {other}, {other_line})")  # fmt: skip
-    if version:
-        why = (
-            f"this torch {torch.__version__} is built for CUDA {version}, and asyncckpt's GPU path needs CUDA 12 "
-            "or 13; install a torch built for one of them first"
-        )
-    else:
-        why = f"this torch {torch.__version__} is a CPU-only build; install a CUDA build of torch first"
-    return (f"{why}, then the extra for its CUDA major (python -c 'import torch; print(torch.version.cuda)'):\n"
-            'pip install "asyncckpt[cu12]"   # torch built for CUDA 12.x\n'
-            'pip install "asyncckpt[cu13]"   # torch built for CUDA 13.x')  # fmt: skip
 
 
 def gpu_path_installed() -> bool:

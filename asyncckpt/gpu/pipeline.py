@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codecs import EncodedBlob
+from ..codecs.base import EncodedBlob
 from ..errors import CheckpointError
 from ..snapshot import Snapshot, StagedTensor
 from . import batch, kernels

@@ -25,8 +25,8 @@ import torch
 from .. import checksum
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..loader import check_layout, destination, tensor_where
 from ..manifest import Manifest, TensorRecord
+from ..read_layout import check_layout, destination, tensor_where
 from .checksum import mix64_device
 from .decoders import DecodeItem, decode_many
 from .specs import ALGORITHMS, CodecSpec, spec_from_manifest

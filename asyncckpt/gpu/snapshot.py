@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..codecs import EncodedBlob
+from ..codecs.base import EncodedBlob
 from ..snapshot import HostCopy, StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
 from .budget import StagingPlan

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..codecs import CPU_CODECS
+from ..codecs.base import CPU_CODECS
 from ..dtypes import FLOATING_NAMES, dtype_name
 from ..errors import CorruptCheckpointError
 

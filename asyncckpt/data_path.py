@@ -1,0 +1,39 @@
+"""The parts of one checkpointer's data path: stager (snapshot), encoder, storage.
+
+Built by :func:`asyncckpt.backend.build_backend` (CPU) or :func:`asyncckpt.gpu.backend.build_gpu_backend`;
+this module imports only the plug-in protocols, so both can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .codecs.base import Encoder
+from .snapshot.base import Stager
+from .storage.base import Storage
+
+log = logging.getLogger("asyncckpt")
+
+
+@dataclass
+class Backend:
+    stager: Stager
+    encoder: Encoder
+    storage: Storage
+    snapshot_mode: str
+    """The mode of the latest save (the GPU stager decides per save)."""
+    snapshot_reason: str = "CPU tensors are staged in host memory"
+    """Why that mode ran, for ``SaveResult.snapshot_reason``."""
+
+    def set_snapshot_mode(self, mode: str, reason: str) -> None:
+        """Record the mode a save runs in; logged when it changes. Training thread."""
+        if (mode, reason) != (self.snapshot_mode, self.snapshot_reason):
+            log.info("asyncckpt: snapshot=%s: %s", mode, reason)
+        self.snapshot_mode, self.snapshot_reason = mode, reason
+
+    def close(self) -> None:
+        self.stager.close()
+        close = getattr(self.encoder, "close", None)
+        if close is not None:
+            close()
