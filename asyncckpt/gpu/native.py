@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..alignment import align_up
 from .specs import CodecSpec
 
 SUPPORTED = frozenset({"ans", "bitcomp"})
@@ -156,7 +157,7 @@ def max_compressed_bytes(spec: CodecSpec, chunk_bytes: int) -> int:
         out = ctypes.c_size_t()
         _call(f"nvcompBatched{_NAMES[spec.codec]}CompressGetMaxOutputChunkSize",
               ctypes.c_size_t(chunk_bytes), _opts(spec), ctypes.byref(out))  # fmt: skip
-        _bounds[key] = -(-out.value // OUTPUT_ALIGN_BYTES) * OUTPUT_ALIGN_BYTES
+        _bounds[key] = align_up(out.value, OUTPUT_ALIGN_BYTES)
     return _bounds[key]
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..alignment import align_up
+
 log = logging.getLogger("asyncckpt")
 
 BLOCK_ALIGN_BYTES = 2 << 20
@@ -43,7 +45,7 @@ HOST_REGISTER_PORTABLE = 1
 
 def block_size_for(nbytes: int) -> int:
     want = nbytes + nbytes // HEADROOM_DIVISOR
-    return max(BLOCK_ALIGN_BYTES, -(-want // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
+    return max(BLOCK_ALIGN_BYTES, align_up(want, BLOCK_ALIGN_BYTES))
 
 
 @dataclass(eq=False)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..alignment import align_up
 from ..codecs.base import EncodedBlob
 from ..errors import CheckpointError
 from ..snapshot import Snapshot, StagedTensor
@@ -520,7 +521,7 @@ class GpuEncoder:
         starts, position = [], 0
         for option in chosen:
             starts.append(position)
-            position += (option.stored + PACK_ALIGN_BYTES - 1) // PACK_ALIGN_BYTES * PACK_ALIGN_BYTES
+            position += align_up(option.stored, PACK_ALIGN_BYTES)
         packed = torch.empty(max(position, 1), dtype=torch.uint8, device=self.device)
         spans = [(start, start + option.stored) for start, option in zip(starts, chosen, strict=True)]
         from_addresses, to_addresses, lengths = _copy_table(chosen, starts, packed.data_ptr())

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import alignment
 from ..snapshot import HostStager
 from ..tree import FlatState
 from . import fence
@@ -49,22 +50,14 @@ TINY_BYTES = 4096
 """Tensors smaller than this are stored raw (see the pipeline); in fence mode they are copied at save()."""
 
 
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     """Offsets of ``sizes`` bytes packed into one buffer, each at a multiple of ARENA_ALIGN_BYTES; and its size."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += (size + ARENA_ALIGN_BYTES - 1) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
-    return offsets, end
+    return alignment.aligned_offsets(sizes, ARENA_ALIGN_BYTES)
 
 
 def aligned_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """:func:`aligned_offsets` of the tensors' byte sizes."""
-    return aligned_offsets([nbytes_of(t) for t in tensors])
+    return aligned_offsets([t.nbytes for t in tensors])
 
 
 def packed_views(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
@@ -72,7 +65,7 @@ def packed_views(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     """Views of ``buffer`` (uint8) at ``offsets`` shaped like ``tensors``: (typed views to copy into, byte views)."""
     typed, raw = [], []
     for t, offset in zip(tensors, offsets, strict=True):
-        piece = buffer[offset : offset + nbytes_of(t)]
+        piece = buffer[offset : offset + t.nbytes]
         raw.append(piece)
         typed.append(piece.view(t.dtype).view(t.shape) if piece.numel() else torch.empty_like(t))
     return typed, raw

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..alignment import aligned_offsets
 from ..errors import CheckpointError
 from ..tree import FlatState
 from .base import StagedTensor, bytes_view
@@ -52,10 +53,6 @@ def default_host_budget_bytes() -> int:
     except ValueError:
         ranks = 1
     return physical // 2 // ranks
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -178,7 +175,7 @@ class HostStager:
                     clone_bytes += copy.nbytes
                 else:
                     offset = next(at)
-                    copy = slot[offset : offset + tensor_bytes(src)].view(src.dtype).view(src.shape)
+                    copy = slot[offset : offset + src.nbytes].view(src.dtype).view(src.shape)
                     if src.is_cuda:
                         # copy_ applies a lazy conjugate/negation to the host copy at once, before an
                         # asynchronous device-to-host copy has landed (on the H200 the restored values
@@ -232,11 +229,7 @@ class HostStager:
 
     @staticmethod
     def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-        offsets, end = [], 0
-        for t in tensors:
-            offsets.append(end)
-            end += (tensor_bytes(t) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-        return offsets, end
+        return aligned_offsets((t.nbytes for t in tensors), ALIGN_BYTES)
 
     def close(self) -> None:
         while not self._free.empty():

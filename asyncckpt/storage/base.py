@@ -15,12 +15,15 @@ from typing import Protocol
 
 import torch
 
+from ..alignment import align_up as alignment_align_up
+
 ALIGNMENT = 4096
 """File offset alignment of every blob, in bytes."""
 
 
 def align_up(offset: int, alignment: int = ALIGNMENT) -> int:
-    return (offset + alignment - 1) // alignment * alignment
+    """The next blob offset at or after ``offset`` (4 KiB-aligned by default)."""
+    return alignment_align_up(offset, alignment)
 
 
 class StickyFailure:
