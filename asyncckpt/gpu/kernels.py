@@ -1,20 +1,17 @@
-"""Two CUDA kernels that torch has no single operation for: the ``mix64`` sum and a batched copy.
+"""The CUDA kernels torch has no single operation for, each one launch per call.
 
-Both run while training runs, so their cost is training time: before these kernels the mix64
-checksum took a dozen int64 torch operations per word (about 100 ms of GPU time for a 16 GB
-checkpoint) and packing a group's compressed chunks took a Python view per chunk (a 1 MiB chunk
-size gives ~16,000 per 16 GB, ~150 ms of Python holding the GIL that the training thread needs
-to launch its kernels). Each is now one kernel launch per call.
+They run while training runs, so they are written to cost the GPU and the GIL as little as a
+launch (docs/benchmarks.md, "Why the GPU path is built this way", has the figures).
 
 ``mix64_words``
     The finalised-word sum of :func:`asyncckpt.checksum.mix64_host`, in one pass over the
-    buffer (~3.3 TB/s on an H200); the caller XORs in the size.
+    buffer; the caller XORs in the size.
 ``copy_ranges``
     ``dst_ptrs[i][0:sizes[i]] = src_ptrs[i][0:sizes[i]]`` for every i, in one launch: one
     block column per range, 32-bit stores at any byte alignment.
 ``split_planes`` / ``join_planes``
-    The tensor-wide byte-plane split of :mod:`asyncckpt.gpu.planes` and its inverse with
-    32-bit accesses to the plane rows (torch's strided byte copy reached ~450 GB/s there).
+    The tensor-wide byte-plane split of :mod:`asyncckpt.gpu.planes` and its inverse, with
+    32-bit accesses to the plane rows.
 
 Compiled once per process with NVRTC through CuPy (part of the GPU extra) and launched through
 the driver on the stream the caller passes; nothing here waits for the GPU except :func:`mix64_sum`,

@@ -1,22 +1,19 @@
 """nvCOMP's C batched compression API through ctypes, for the codecs that run beside training (ANS, Bitcomp).
 
-Why not nvCOMP's Python API on this path: measured on the H200 (``python3 -m benchmarks.host_blocking``,
-``benchmarks/results/host-blocking-20261203-061135-h200.md``), ``nvcomp.as_arrays`` — the
-Python API's only way to build a batch — waits for the GPU work queued on *every* stream
-(training's too) and holds the GIL while it waits; with the GPU idle it still held the GIL
-1.8 ms per 256 chunks. Every group the compressor encoded while training ran therefore
-stopped the training thread from launching kernels until the GPU drained. Here the chunk
-tables (pointers and sizes) go up from pinned memory with an asynchronous copy on the
-compressor's stream, the compressed sizes come back the same way, and ctypes lets go of
-the GIL for the call, which only enqueues work.
+Contract: building and enqueueing a batch neither waits for other streams' GPU work nor holds
+the GIL while the GPU works. nvCOMP's Python API breaks both (``nvcomp.as_arrays`` waits for every
+stream, training's included, holding the GIL: docs/benchmarks.md, "Why the GPU path is built
+this way"). Here the chunk tables (pointers and sizes) go up from pinned memory with an
+asynchronous copy on the compressor's stream, the compressed sizes come back the same way, and
+ctypes lets go of the GIL for the call, which only enqueues work.
 
 Same formats: a RAW chunk of the Python API is one chunk of the C batched API. Bitcomp's bytes
-are identical; ANS's differ from the Python API's (some default of its options differs; sizes
-within 5%) and decode with it (``tests/gpu/test_gpu_native.py``). Decoding, and the codecs
-not listed in :data:`SUPPORTED`, stay on the Python API (a restore does not run beside
-training). The option structs below are nvCOMP 6's (``include/nvcomp/ans.h``, ``bitcomp.h``):
-with any other major version :func:`available` is False and everything uses the Python API,
-as it does with ``ASYNCCKPT_NVCOMP_PYTHON_ONLY=1`` (for comparisons).
+are identical; ANS's may differ from the Python API's (an option default) and decode with it
+(``tests/gpu/test_gpu_native.py``). Decoding, and the codecs not listed in :data:`SUPPORTED`,
+stay on the Python API (a restore does not run beside training). The option structs below are
+nvCOMP 6's (``include/nvcomp/ans.h``, ``bitcomp.h``): with any other major version
+:func:`available` is False and everything uses the Python API, as it does with
+``ASYNCCKPT_NVCOMP_PYTHON_ONLY=1`` (for comparisons).
 
 Threads and streams: any thread may call :func:`encode`; all GPU work goes on the stream it
 is given; :meth:`NativeEncode.sizes` is where the calling thread waits (without the GIL).

@@ -1,19 +1,12 @@
 """POSIX I/O of device memory through two pinned host buffers: what runs where GDS is off.
 
-KvikIO's compat mode does POSIX I/O through pinned bounce buffers too, but cuts every request
-into tasks spread over its thread pool, and each task is a device-host copy plus a stream
-synchronisation from a pool thread. Measured on the H200 machine (ext4, no GDS;
-``python3 -m benchmarks.host_blocking``, ``benchmarks/results/host-blocking-20261203-061135-h200.md``):
-
-- writes of device memory running beside 35 ms training steps made them 3-4% slower through
-  KvikIO with 16 threads (+2% with 4, +0.7% with 1) and 0-1% through :class:`PinnedPosixWriter`;
-- a cold read got 1.30 GB/s through KvikIO compat (4 MiB tasks) and 1.56 GB/s through
-  :class:`PinnedPosixReader` (the kernel's readahead sees one sequential stream).
-
-So in compat mode both directions run here: one private thread per file, large sequential
-``pread``/``pwrite`` calls (which release the GIL), and device-host copies on a private
-stream that overlap the system calls. ``ASYNCCKPT_COMPAT_IO=kvikio`` keeps KvikIO's compat
-mode instead (:func:`asyncckpt.gpu.storage.open_device_writer`).
+One private thread per file issues large sequential ``pread``/``pwrite`` calls (which release
+the GIL), and device-host copies on a private stream overlap the system calls. KvikIO's compat
+mode does POSIX I/O through pinned bounce buffers too, but as many small tasks over its thread
+pool, each a copy plus a stream synchronisation, which slowed training more and read slower on
+the H200 (figures: docs/benchmarks.md, "Why the GPU path is built this way").
+``ASYNCCKPT_COMPAT_IO=kvikio`` keeps KvikIO's compat mode instead
+(:func:`asyncckpt.gpu.storage.open_device_writer`).
 """
 
 from __future__ import annotations
