@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asyncckpt.commands._progress import Progress as TerminalBar
 from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -443,6 +444,35 @@ class Progress:
     def say(self, message: str) -> None:
         if not self.quiet:
             print(f"[{self.elapsed():7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+class BarProgress(Progress):
+    """Progress lines that scroll above a bar of work done, drawn only when stderr is a terminal.
+
+    :meth:`start_bar` sets the total (in ``unit``); :meth:`advance` moves it; a pipe or a log file
+    sees only the lines."""
+
+    bar: TerminalBar | None = None
+
+    def start_bar(self, what: str, total: int, unit: str) -> None:
+        if not self.quiet:
+            self.bar = TerminalBar(what, total, unit=unit)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.advance(n)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def say(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        super().say(message)
+        if self.bar is not None:
+            self.bar.redraw()
 
 
 def fmt_seconds(seconds: float | None) -> str:

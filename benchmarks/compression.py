@@ -36,6 +36,7 @@ from asyncckpt.codecs import ZstdCodec, get_decoder
 from asyncckpt.options import CODEC_NAMES
 
 from .common import (
+    BarProgress,
     Progress,
     Workload,
     WorkloadConfig,
@@ -263,6 +264,8 @@ def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int
     encoders = library_encoders(device)
     unavailable = {k: v for k, v in encoders.items() if isinstance(v, str)}
     cpu = CpuCodecs()
+    if isinstance(progress, BarProgress):
+        progress.start_bar("tensor classes", len(CLASS_DTYPES), unit="classes")
     try:
         out: dict[str, Any] = {"classes": {}, "library_unavailable": unavailable}
         for cls, dtype in CLASS_DTYPES.items():
@@ -298,6 +301,8 @@ def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int
                 except ImportError as exc:
                     entry["nvcomp"] = {"error": f"nvCOMP not importable: {exc}"}
             out["classes"][cls] = entry
+            if isinstance(progress, BarProgress):
+                progress.advance()
             if on_class is not None:
                 on_class(out)
             ent = entry["entropy"]
@@ -306,6 +311,8 @@ def measure_classes(workload: Workload, sample_bytes: int, cpu_sample_bytes: int
             del raw, host
         return out
     finally:
+        if isinstance(progress, BarProgress):
+            progress.close_bar()
         cpu.close()
         for backend in encoders.values():
             if not isinstance(backend, str):
@@ -402,7 +409,7 @@ def _ratio(value: float | None) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.compression") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
-    progress = Progress(args.quiet)
+    progress = BarProgress(args.quiet)
     cuda = WorkloadConfig(width=0, layers=0, device=args.device).resolved_device().type == "cuda"
     if args.tiny:
         sizes = {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "sample_bytes": 1 << 20,

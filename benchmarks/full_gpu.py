@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    BarProgress,
     MemorySampler,
     Progress,
     Workload,
@@ -178,6 +179,8 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
                     row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 rows.append(row)
+                if isinstance(progress, BarProgress):
+                    progress.advance()
                 progress.say(f"{width}x{layers} {name} save {k + 1}: {row.get('error') or summary(row)}")
         finally:
             method.close()
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         chart(json.loads(args.chart.read_text()), args.chart.with_suffix(".png"))
         print(args.chart.with_suffix(".png"))
         return 0
-    progress = Progress()
+    progress = BarProgress()
     if args.tiny:
         args.sizes, args.gpu_free_gb = "64x2", 0.0
         if not torch.cuda.is_available():
@@ -285,11 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": [],
     }
     name = result_name("full_gpu", machine, args.tiny)
+    methods = args.methods.split(",") + (["preallocate"] if args.preallocate else [])
+    per_size = sum(args.saves if m.startswith("asyncckpt") or m == "preallocate" else 1 for m in methods)
+    progress.start_bar("saves measured", per_size * len(args.sizes.split(",")), unit="saves")
     for size in args.sizes.split(","):
         width, layers = (int(x) for x in size.split("x"))
         report["sizes"].append(run_size(args, width, layers, progress))
         write_json(args.out / f"{name}.json", report)  # after every size: a time limit keeps what ran
         (args.out / f"{name}.md").write_text(markdown(report))
+    progress.close_bar()
     print(markdown(report))
     try:
         chart(report, args.out / f"{name}.png")

@@ -40,10 +40,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from asyncckpt.commands._progress import Progress as TerminalBar
-
 from . import probes
 from .common import (
+    BarProgress,
     MemorySampler,
     Progress,
     Workload,
@@ -479,25 +478,12 @@ def _codecs(codecs: dict[str, int]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
-class _BarProgress(Progress):
-    """Progress lines that scroll above a bar of measurements done (drawn only when stderr is a terminal)."""
-
-    bar: TerminalBar | None = None
-
-    def say(self, message: str) -> None:
-        if self.bar is not None:
-            self.bar.clear()
-        super().say(message)
-        if self.bar is not None:
-            self.bar.redraw()
-
-
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.stall_time") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     args.command = f"{prog} {shlex.join(argv)}".strip()
     started = time.perf_counter()
-    progress = _BarProgress(args.quiet)
+    progress = BarProgress(args.quiet)
     config = WorkloadConfig(width=0, layers=0, device=args.device)
     cuda = config.resolved_device().type == "cuda"
     _defaults(args, cuda)
@@ -578,17 +564,16 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
         write_atomically(args.out / f"{name}.md", markdown(data))
 
     def measured() -> None:
-        if isinstance(progress, _BarProgress) and progress.bar is not None:
-            progress.bar.advance(1)
+        if isinstance(progress, BarProgress):
+            progress.advance()
         save_partial()
 
-    if isinstance(progress, _BarProgress) and not args.quiet:  # a bar under the progress lines, on a terminal
-        progress.bar = TerminalBar("measured", args.rounds * len(runner.runs), unit="measurements")
+    if isinstance(progress, BarProgress):  # a bar under the progress lines, on a terminal
+        progress.start_bar("measured", args.rounds * len(runner.runs), unit="measurements")
     try:
         runner.measure(budget, measured)
-        if isinstance(progress, _BarProgress) and progress.bar is not None:
-            progress.bar.close()
-            progress.bar = None
+        if isinstance(progress, BarProgress):
+            progress.close_bar()
         data = report()
         write_json(args.out / f"{name}.json", data)
         text = markdown(data)

@@ -80,3 +80,11 @@ def test_the_stall_benchmark_draws_a_bar_under_its_progress_lines(tmp_path: Path
     assert "measured: 100% [########################] 4/4 measurements" in terminal, terminal
     # Each progress line is printed after the bar's line is erased, and the bar comes back below it.
     assert "\r\x1b[K[" in terminal and "round 2: torch.save:" in terminal
+
+
+def test_the_full_gpu_benchmark_draws_a_bar_of_saves(tmp_path: Path) -> None:
+    status, _, terminal = _with_terminal_stderr("--tiny", "--out", tmp_path, "--scratch", tmp_path / "s",
+                                                module="benchmarks.full_gpu")  # fmt: skip
+    assert status == 0, terminal
+    # CPU: asyncckpt host twice (two saves) and dcp.async_save once.
+    assert "saves measured: 100% [########################] 3/3 saves" in terminal, terminal
