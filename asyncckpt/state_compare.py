@@ -5,7 +5,7 @@ Used by the demo's restore check and by the tests; runs on the calling thread.
 
 from __future__ import annotations
 
-import math
+import struct
 from typing import Any
 
 import torch
@@ -24,11 +24,23 @@ def clone_state(state: Any) -> Any:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)  # the values, not the memory
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    if not flat.numel():
+        return torch.empty(0, dtype=torch.uint8)
+    # Dense now; a one-element tensor may still carry any stride, which view() to bytes refuses.
+    return flat.as_strided((flat.numel(),), (1,)).view(torch.uint8)
+
+
+def _float_bits(value: float) -> int:
+    bits: int = struct.unpack("<Q", struct.pack("<d", value))[0]
+    return bits
 
 
 def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
-    """None if equal (types, structure, dtypes, shapes, bytes); else where and how they differ."""
+    """None if equal bit for bit; else where and how they differ.
+
+    Equal means: the same types (a tensor subclass matches a tensor: a loaded ``Parameter`` is a
+    tensor), dict keys of the same types in the same order, tensors of the same dtype, shape and
+    bytes, floats of the same bits (NaN payloads and the sign of zero included)."""
     where = path or "<root>"
     if type(expected) is not type(actual) and not (isinstance(expected, torch.Tensor)
                                                     and isinstance(actual, torch.Tensor)):  # fmt: skip
@@ -40,7 +52,7 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
             return f"{where}: tensor bytes differ"
         return None
     if isinstance(expected, dict):
-        if list(expected) != list(actual):
+        if [(type(k), k) for k in expected] != [(type(k), k) for k in actual]:
             return f"{where}: keys {list(expected)[:8]} != {list(actual)[:8]}"
         for key in expected:
             found = first_difference(expected[key], actual[key], f"{path}/{key}")
@@ -55,6 +67,6 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
             if found:
                 return found
         return None
-    if isinstance(expected, float) and math.isnan(expected) and math.isnan(actual):
-        return None
+    if isinstance(expected, float):
+        return None if _float_bits(expected) == _float_bits(actual) else f"{where}: {expected!r} != {actual!r} (bits)"
     return None if expected == actual else f"{where}: {expected!r} != {actual!r}"

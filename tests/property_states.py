@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from asyncckpt.dtypes import DTYPE_BY_NAME, FLOATING_NAMES, dtype_name
 from asyncckpt.manifest import MANIFEST_NAME, read_manifest
 from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt.state_compare import first_difference
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("ci", max_examples=30, deadline=None, database=None, suppress_health_check=_SLOW,
@@ -127,43 +128,9 @@ def leaves_of(state: Any) -> list[Any]:
     return [state]
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if not flat.numel():
-        return b""
-    # Dense now; a one-element tensor may still carry any stride, which view() to bytes refuses.
-    return bytes(flat.as_strided((flat.numel(),), (1,)).view(torch.uint8).numpy())
-
-
-def difference(expected: Any, actual: Any, where: str = "<root>") -> str | None:
+def difference(expected: Any, actual: Any) -> str | None:
     """None if ``actual`` equals ``expected`` bit for bit (types, key types and order, float bits, tensor bytes)."""
-    if type(expected) is not type(actual):
-        return f"{where}: type {type(expected).__name__} != {type(actual).__name__}"
-    if isinstance(expected, torch.Tensor):
-        if (expected.dtype, expected.shape) != (actual.dtype, actual.shape):
-            return f"{where}: {expected.dtype}{tuple(expected.shape)} != {actual.dtype}{tuple(actual.shape)}"
-        if tensor_bytes(expected) != tensor_bytes(actual):
-            return f"{where}: tensor bytes differ"
-        return None
-    if isinstance(expected, dict):
-        if [(type(k), k) for k in expected] != [(type(k), k) for k in actual]:
-            return f"{where}: keys {list(expected)} != {list(actual)}"
-        for key in expected:
-            found = difference(expected[key], actual[key], f"{where}/{key!r}")
-            if found:
-                return found
-        return None
-    if isinstance(expected, (list, tuple)):
-        if len(expected) != len(actual):
-            return f"{where}: length {len(expected)} != {len(actual)}"
-        for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-            found = difference(a, b, f"{where}/{i}")
-            if found:
-                return found
-        return None
-    if isinstance(expected, float):
-        return None if float_bits(expected) == float_bits(actual) else f"{where}: {expected!r} != {actual!r} (bits)"
-    return None if expected == actual else f"{where}: {expected!r} != {actual!r}"
+    return first_difference(expected, actual)
 
 
 def tied_difference(expected: Any, actual: Any) -> str | None:
