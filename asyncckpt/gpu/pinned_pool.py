@@ -137,9 +137,7 @@ class PinnedPool:
         needed (a reservation larger than that, or blocks of an older, larger state, are freed),
         which bounds pinned memory to about one compressed state per save in flight."""
         with self._lock:
-            keep = {id(b) for b in blocks}
-            stale = [b for b in self._free if id(b) not in keep]
-            self._free = [*blocks, *(b for b in self._free if id(b) in keep)]
+            stale, self._free = self._free, list(blocks)  # the save's blocks were in use, not free
             freed_bytes = sum(b.nbytes for b in stale)
             self._allocated_bytes -= freed_bytes
         for block in stale:

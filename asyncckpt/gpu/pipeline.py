@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,8 +145,6 @@ class GpuEncoder:
         self.stream = torch.cuda.Stream(device=device)
         self.history: deque[CompressStats] = deque(maxlen=256)
         """Stats of recent snapshots, newest last (for benchmarks and logs)."""
-        self.on_stats: Callable[[CompressStats], None] | None = None
-        """Called on the compressor thread after each snapshot compressed without error."""
         self._copy_stream: torch.cuda.Stream | None = None
         """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -231,8 +229,6 @@ class GpuEncoder:
                 stats.wall_seconds = time.perf_counter() - began
                 self.history.append(stats)  # before close(): the save may commit as soon as the channel ends
                 channel.close(error)
-        if error is None and self.on_stats is not None:
-            self.on_stats(stats)
 
     def _compress_fenced(
         self, snapshot: GpuSnapshot, gate: FenceGate, groups: list[list[tuple[int, StagedTensor]]],
@@ -322,12 +318,8 @@ class GpuEncoder:
                 raw += rest
                 blobs = []
         for index, staged in raw:
-            n = staged.data.numel()
-            blobs.append((index, EncodedBlob(data=staged.data, codec="none", chunks=[(n, n)])))
-            stats.specs["none"] += 1
-            stats.raw_bytes += n
-            stats.stored_bytes += n
-            nbytes += n
+            blobs.append(_raw_blob(index, staged.data, stats))
+            nbytes += staged.data.numel()
         blobs.sort(key=lambda pair: pair[0])
         return blobs, nbytes
 
@@ -345,7 +337,7 @@ class GpuEncoder:
         ((index, staged),) = group
         n = staged.data.numel()
         if not staged.data.is_cuda:  # a host-staged copy is final already
-            return [(index, EncodedBlob(data=staged.data, codec="none", chunks=[(n, n)]))], n, None, None
+            return [_raw_blob(index, staged.data, stats)], n, None, None
         block = snapshot.pool.acquire(n)
         if block is None:
             raise CheckpointError(
@@ -363,10 +355,8 @@ class GpuEncoder:
         note = f"tensor {staged.key!r} stored raw: GPU memory ran short while compressing it"
         stats.notes.append(note)
         log.warning("asyncckpt: %s", note)
-        stats.raw_bytes += n
-        stats.stored_bytes += n
         stats.spilled_bytes += n
-        return [(index, EncodedBlob(data=host, codec="none", chunks=[(n, n)]))], n, copied, None
+        return [_raw_blob(index, host, stats)], n, copied, None
 
     def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> None:
         """Open the gate behind every read of the live tensors: the encodes on this stream and raw
@@ -549,13 +539,18 @@ class GpuEncoder:
             stats.raw_bytes += staged.data.numel()
             stats.stored_bytes += end - start
         for index, staged in work.raw:
-            n = staged.data.numel()
-            blobs.append((index, EncodedBlob(data=staged.data, codec="none", chunks=[(n, n)])))
-            stats.specs["none"] += 1
-            stats.raw_bytes += n
-            stats.stored_bytes += n
+            blobs.append(_raw_blob(index, staged.data, stats))
         blobs.sort(key=lambda pair: pair[0])
         return blobs, total, packed
+
+
+def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int, EncodedBlob]:
+    """A tensor's bytes stored as they are (codec ``none``), counted in ``stats``."""
+    n = data.numel()
+    stats.specs["none"] += 1
+    stats.raw_bytes += n
+    stats.stored_bytes += n
+    return index, EncodedBlob(data=data, codec="none", chunks=[(n, n)])
 
 
 def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:

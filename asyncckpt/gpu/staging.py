@@ -338,8 +338,9 @@ class GpuStager:
         ``fence`` saves (what ``auto`` picks on a full GPU) need pinned blocks for the compressed
         bytes that do not stay on the GPU: the raw size of the state is reserved (an upper bound
         of its compressed size; what the first save leaves unused is given back after it).
-        ``device`` saves need an arena slot, allocated on that thread. The calling thread only
-        reads tensor sizes."""
+        ``device`` saves need an arena slot, allocated on that thread; ``host`` saves the pinned
+        arena of :meth:`~asyncckpt.snapshot.HostStager.preallocate`. The calling thread only reads
+        tensor sizes."""
         tensors = flat.leaf_tensors
         here = [t.is_cuda for t in tensors]
         plan = self._plan(tensors, here)
@@ -350,8 +351,10 @@ class GpuStager:
             sizes = [t.nbytes for t in tensors]
             spill = max(0, sum(sizes) - plan.resident_bytes)
             return self.pool.reserve(spilled_group_sizes(sizes, plan.group_bytes, spill))
-        work = self.arena.preallocate if plan.mode == "device" else (lambda _tensors: None)
-        thread = threading.Thread(target=work, args=(on_device,), name="asyncckpt-prealloc", daemon=True)
+        if plan.mode == "host":
+            return self.host.preallocate(flat)  # a raw copy of every tensor into the pinned arena
+        thread = threading.Thread(target=self.arena.preallocate, args=(on_device,), name="asyncckpt-prealloc",
+                                  daemon=True)  # fmt: skip
         thread.start()
         return thread
 
