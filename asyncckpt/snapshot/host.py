@@ -39,6 +39,11 @@ complex32 warns that it is experimental, and under ``torch.use_deterministic_alg
 (Lightning's ``deterministic=True``) a new float4 tensor fails in the fill of fresh memory."""
 
 
+def _is_cloned(t: torch.Tensor) -> bool:
+    """A CPU tensor small enough, of a dtype simple enough, to be cloned rather than copied into the arena."""
+    return t.is_cpu and t.nbytes <= CLONE_BYTES and t.dtype in _CLONEABLE
+
+
 def default_host_budget_bytes() -> int:
     """Half of physical memory, divided by the processes of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it).
 
@@ -150,8 +155,7 @@ class HostStager:
         tensor goes to one slot of the arena, pinned where CUDA exists. CUDA sources copy
         asynchronously on their device's current stream, waited for in ``wait_ready``.
         """
-        cloneable = _CLONEABLE
-        cloned = [t.is_cpu and t.nbytes <= CLONE_BYTES and t.dtype in cloneable for t in tensors]
+        cloned = [_is_cloned(t) for t in tensors]
         offsets, total = self._layout([t for t, small in zip(tensors, cloned, strict=True) if not small])
         if total * self.slots > self.budget_bytes:
             raise CheckpointError(
@@ -162,11 +166,7 @@ class HostStager:
         # The caller holds an in-flight slot, so a free arena slot exists: get() never waits long.
         slot = self._free.get()
         try:
-            if slot.numel() < total:
-                self._slot_bytes.pop(slot.data_ptr(), None)
-                slot = torch.empty(0, dtype=torch.uint8)  # free the old slot before allocating the larger one
-                slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-                self._slot_bytes[slot.data_ptr()] = total
+            slot = self._grown(slot, total)
             copies, devices, cuda_devices, clone_bytes = [], [], set(), 0
             at = iter(offsets)
             for src, small in zip(tensors, cloned, strict=True):
@@ -205,23 +205,29 @@ class HostStager:
 
         Pinning tens of GB takes seconds: done here, the first save only copies. Call while no save
         is in flight (the slot is taken for the allocation)."""
-        sizes = [t for t in flat.leaf_tensors if not (t.is_cpu and t.nbytes <= CLONE_BYTES and t.dtype in _CLONEABLE)]
-        _offsets, total = self._layout(sizes)
+        _offsets, total = self._layout([t for t in flat.leaf_tensors if not _is_cloned(t)])
 
         def allocate() -> None:
             slot = self._free.get()
             try:
-                if slot.numel() < total <= self.budget_bytes:
-                    self._slot_bytes.pop(slot.data_ptr(), None)
-                    slot = torch.empty(0, dtype=torch.uint8)
-                    slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-                    self._slot_bytes[slot.data_ptr()] = total
+                if total <= self.budget_bytes:
+                    slot = self._grown(slot, total)
             finally:
                 self._free.put(slot)
 
         thread = threading.Thread(target=allocate, name="asyncckpt-prealloc", daemon=True)
         thread.start()
         return thread
+
+    def _grown(self, slot: torch.Tensor, total: int) -> torch.Tensor:
+        """``slot``, or a new one of ``total`` bytes (pinned with CUDA) if it is smaller."""
+        if slot.numel() >= total:
+            return slot
+        self._slot_bytes.pop(slot.data_ptr(), None)
+        slot = torch.empty(0, dtype=torch.uint8)  # free the old slot before allocating the larger one
+        slot = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        self._slot_bytes[slot.data_ptr()] = total
+        return slot
 
     def allocated_bytes(self) -> int:
         """Host bytes the arena's slots hold (any thread)."""
