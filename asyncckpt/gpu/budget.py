@@ -4,12 +4,13 @@ Pure arithmetic over sizes in bytes, decided on the training thread inside ``sav
 it measures then (free GPU memory, the state's size, the host budget) and recorded with the
 snapshot, so a :class:`~asyncckpt.result.SaveResult` says which mode ran and why.
 
-The compressor never holds more GPU memory than ``scratch_bytes``: it compresses the state in
-groups of ``group_bytes`` of consecutive tensors, two groups in flight (one encoding while the
-previous one is resolved), each costing at most :data:`SCRATCH_PER_RAW_BYTE` times its raw size
-(nvCOMP's outputs for every ``auto`` candidate, a byte-plane copy, the packed result, an upload
-buffer, allocator slack). Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to
-pinned host memory (:mod:`asyncckpt.gpu.pinned_pool`), bounded by the host staging budget.
+The compressor never holds more GPU memory than its scratch: it compresses the state in groups
+of ``group_bytes`` of consecutive tensors, at most :data:`GROUPS_IN_FLIGHT` groups' bytes in
+flight (one encoding while the previous one is resolved; a tensor larger than that alone), each
+costing at most :data:`SCRATCH_PER_RAW_BYTE` times its raw size (nvCOMP's outputs for every
+``auto`` candidate, a byte-plane copy, the packed result, an upload buffer, allocator slack).
+Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to pinned
+host memory (:mod:`asyncckpt.gpu.pinned_pool`), bounded by the host staging budget.
 
 Modes:
 
@@ -21,8 +22,9 @@ Modes:
     tensor. Works at any state size: memory is the scratch, plus compressed bytes kept on the GPU
     up to ``resident_bytes``, plus pinned host memory for the rest.
 ``host``
-    A raw copy into pinned host memory, only when asked for explicitly (``auto`` prefers to
-    compress on the GPU first: host memory and PCIe then carry the compressed bytes).
+    A raw copy into pinned host memory: when asked for, when not even the scratch of the
+    smallest groups fits, or for ``codec="none"`` (which cannot be fenced). Tensors too large to
+    compress within the budget are then stored raw (``max_compress_bytes``).
 """
 
 from __future__ import annotations
