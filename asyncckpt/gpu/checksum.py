@@ -8,6 +8,10 @@ Streams: the kernel runs on a private per-device stream, so a checksum never que
 the training kernels on the default stream; the caller must pass a buffer whose contents are
 already complete (its producing stream synchronized, as the pipeline does before it checksums).
 The calling thread blocks until the value is on the host.
+
+On a GPU with no memory left (the kernel needs one small result block, and a misaligned buffer a
+copy), the checksum is computed on the host from a device-to-host copy instead: slower, never a
+failed save.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 
 import torch
 
+from ..checksum import mix64_host
 from .kernels import mix64_sum
 
 _streams: dict[int, torch.cuda.Stream] = {}
@@ -43,8 +48,11 @@ def mix64_device(buf: torch.Tensor) -> str:
     if size == 0:
         return f"{0:016x}"
     stream = _stream(buf.device)
-    if buf.data_ptr() % 8:  # the kernel reads whole words: copy the (rare) misaligned buffer
-        with torch.cuda.stream(stream):
-            buf = buf.clone()
-    value = mix64_sum(buf, stream)
+    try:
+        if buf.data_ptr() % 8:  # the kernel reads whole words: copy the (rare) misaligned buffer
+            with torch.cuda.stream(stream):
+                buf = buf.clone()
+        value = mix64_sum(buf, stream)
+    except torch.OutOfMemoryError:
+        return mix64_host(buf.cpu().numpy())
     return f"{value ^ size:016x}"

@@ -71,6 +71,29 @@ def packed_views(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     return typed, raw
 
 
+# Dtypes whose ``_foreach_copy_`` CUDA kernel exists in every torch this project supports. The
+# rest (float8/float4 kinds, uint16/32/64, complex32) are copied as same-width integers: a copy
+# moves bits, so the integer view gives the same bytes and needs no kernel for the exotic dtype.
+_FOREACH_COPY_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+})  # fmt: skip
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    width = t.element_size()
+    if t.dtype in _FOREACH_COPY_DTYPES or width not in _SAME_WIDTH_INT or t.is_conj() or t.is_neg():
+        return t
+    return t.view(_SAME_WIDTH_INT[width])
+
+
+def copy_all_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all i as one ``_foreach_copy_`` on the current stream,
+    for every dtype a checkpoint may hold (same dtypes and shapes on both sides)."""
+    torch._foreach_copy_([_copyable(t) for t in targets], [_copyable(s) for s in sources])
+
+
 def copy_fence_stragglers(snapshot: GpuSnapshot) -> None:
     """Copy the live tensors of a ``fence`` snapshot that must not be read live, then publish its sources.
 
@@ -94,7 +117,7 @@ def copy_fence_stragglers(snapshot: GpuSnapshot) -> None:
             offsets, total = aligned_layout(live)
             buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=snapshot.device)
             typed, raw = packed_views(buffer, live, offsets)
-            torch._foreach_copy_(typed, live)
+            copy_all_(typed, live)
             for i, data in zip(copies, raw, strict=True):
                 sources[i] = data
     finally:
@@ -309,7 +332,7 @@ class GpuStager:
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record(stream)
         if tensors:
-            torch._foreach_copy_(typed, tensors)
+            copy_all_(typed, tensors)
         ended.record(stream)
         for i, data in zip(indices, raw, strict=True):
             sources[i] = data
