@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from .backend import build_backend
+from .delta_encode import build_delta_writer
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
 from .layout import MAX_STEP, checkpoint_name, discard_steps_after, latest_step, remove_stale_temporaries
@@ -71,6 +72,8 @@ class AsyncCheckpointer:
             observer if observer is not None else _default_observer(self.options, registry)
         )
         self._backend = build_backend(self.options)
+        self._delta = build_delta_writer(self.options)
+        """Incremental saves' reference store (None: ``delta="off"``); the worker's, invalidated on failure."""
         self._slots = threading.BoundedSemaphore(self.options.max_inflight)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -92,8 +95,12 @@ class AsyncCheckpointer:
             self.preallocate(preallocate_for)
 
     # ------------------------------------------------------------------ training thread
-    def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None,
+             full: bool = False) -> SaveHandle:  # fmt: skip
         """Snapshot ``state`` and persist it in the background as checkpoint ``step``.
+
+        ``full``: with the ``delta`` option, store every tensor in full (this save starts a new
+        chain); without it, every save is full anyway.
 
         Returns once the snapshot is staged (``handle.staged``): the caller may then mutate
         its tensors. Blocks only to wait for an in-flight slot (``max_inflight``), and that
@@ -117,7 +124,7 @@ class AsyncCheckpointer:
         flat = flatten(state)
         self._enter(step)
         try:
-            return self._stage_and_queue(step, flat, metadata, started)
+            return self._stage_and_queue(step, flat, metadata, started, full)
         finally:
             self._leave(step)
 
@@ -140,7 +147,8 @@ class AsyncCheckpointer:
             self._entered -= 1
             self._left.notify_all()
 
-    def _stage_and_queue(self, step: int, flat: Any, metadata: dict[str, Any], started: float) -> SaveHandle:
+    def _stage_and_queue(self, step: int, flat: Any, metadata: dict[str, Any], started: float,
+                         full: bool = False) -> SaveHandle:  # fmt: skip
         if self.options.when_busy == "skip":
             if not self._slots.acquire(blocking=False):
                 self._observer.save_skipped()
@@ -168,7 +176,7 @@ class AsyncCheckpointer:
         job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
                       created_unix=time.time(), started=started, stall_seconds=stall,
                       snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode,
-                      snapshot_reason=self._backend.snapshot_reason)  # fmt: skip
+                      snapshot_reason=self._backend.snapshot_reason, full=full)  # fmt: skip
         with self._lock:
             self._inflight[step] = handle
             inflight = len(self._inflight)
@@ -226,6 +234,8 @@ class AsyncCheckpointer:
         them. Waits for in-flight saves first.
         """
         self.wait()
+        if self._delta is not None:
+            self._delta.invalidate()  # the reference may be among the discarded steps
         return discard_steps_after(self.directory, step)
 
     @property
@@ -275,7 +285,8 @@ class AsyncCheckpointer:
     def _persist(self, job: SaveJob) -> SaveResult:
         """Write and commit one save. Worker thread; subclasses (distributed, integrations) override
         this to commit elsewhere or with other ranks; they must not issue collectives here."""
-        return persist(job, self.directory, self._backend.encoder, self._backend.storage, self.options.keep_last)
+        return persist(job, self.directory, self._backend.encoder, self._backend.storage, self.options.keep_last,
+                       self._delta)  # fmt: skip
 
     def _run(self) -> None:
         while True:
@@ -292,6 +303,8 @@ class AsyncCheckpointer:
                 )
                 error.__cause__ = exc
                 _release_quietly(job)  # a save that failed before write_part still holds its staging
+                if self._delta is not None:
+                    self._delta.invalidate()  # the reference bytes were overwritten for a save that never committed
                 with self._lock:
                     self._inflight.pop(job.step, None)
                     if self._unreported is None:

@@ -12,22 +12,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import checksum
-from .codecs import get_decoder
+from .delta_chain import ChainReader
 from .dtypes import dtype_from_name
-from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import Manifest, TensorRecord, read_manifest
+from .errors import CorruptCheckpointError
+from .manifest import Manifest, read_manifest
 from .observer import notify_load_finished
 from .read_layout import check_layout, destination, tensor_where
 from .resolve import Resolved, resolve_for_reading
-from .storage import BlobReader, PosixStorage, Storage
 from .tree import unflatten
 
 MapLocation = str | torch.device | None
@@ -109,8 +107,8 @@ def _restores_on_gpu(manifest: Manifest, target: torch.device | None) -> bool:
         wants_cuda = target.type == "cuda"
     else:
         wants_cuda = any(record.device.startswith("cuda") for record in manifest.tensors)
-    if not wants_cuda:
-        return False
+    if not wants_cuda or manifest.reference is not None:
+        return False  # delta records are decoded on the host (asyncckpt.delta_chain), then moved
     from .gpu.deps import gpu_path_available  # imports nothing optional on a machine without CUDA
 
     return gpu_path_available()
@@ -155,41 +153,18 @@ def _index_checker(count: int, path: Path) -> Callable[[int], torch.Tensor]:
 
 
 def _decoded_tensors(checkpoint: Path, manifest: Manifest) -> Iterator[torch.Tensor]:
-    """Yield each tensor of the table, decoded into host memory in its saved dtype and shape."""
-    storage: Storage = PosixStorage()
-    files = check_layout(checkpoint, manifest.tensors)
-    with ExitStack() as stack:
-        readers: dict[str, BlobReader] = {}
+    """Yield each tensor of the table, decoded into host memory in its saved dtype and shape.
+
+    A delta record (format 4) is decoded against its base checkpoint, and that against its own
+    base, as far as the chain goes (:class:`asyncckpt.delta_chain.ChainReader`).
+    """
+    check_layout(checkpoint, manifest.tensors)  # every blob's place checked before any is read
+    with ChainReader(checkpoint, manifest) as chain:
         for record in manifest.tensors:
             where = tensor_where(checkpoint, record)
-            if record.file not in readers:
-                path = files[record.file][0]
-                try:
-                    readers[record.file] = storage.open_reader(path)
-                except OSError as exc:
-                    raise CorruptCheckpointError(f"{path}: cannot open the data file: {exc}") from exc
-                stack.callback(readers[record.file].close)
-            blob = readers[record.file].read(record.offset, record.stored_bytes)
-            _check_blob(blob, record, where)
-            yield _decode(blob, record, where)
-
-
-def _check_blob(blob: torch.Tensor, record: TensorRecord, where: str) -> None:
-    algorithm = checksum.check_algorithm(record.checksum.algorithm, where)
-    checksum.verify_value(algorithm, record.checksum.value, checksum.compute(algorithm, blob), where)
-
-
-def _decode(blob: torch.Tensor, record: TensorRecord, where: str) -> torch.Tensor:
-    dtype = dtype_from_name(record.dtype, where)
-    decoder = get_decoder(record.codec, where)
-    try:
-        out = torch.empty(record.raw_bytes, dtype=torch.uint8)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{where}: cannot allocate {record.raw_bytes} bytes to decode it: {exc}") from exc
-    try:
-        decoder.decode(blob, [(s, r) for s, r in record.chunks], record.codec_params, out)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{where}: {exc}") from exc
-    if record.raw_bytes == 0:
-        return torch.empty(record.shape, dtype=dtype)
-    return out.view(dtype).view(record.shape)
+            dtype = dtype_from_name(record.dtype, where)
+            out = chain.raw(record)
+            if record.raw_bytes == 0:
+                yield torch.empty(record.shape, dtype=dtype)
+            else:
+                yield out.view(dtype).view(record.shape)

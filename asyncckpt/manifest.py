@@ -1,4 +1,4 @@
-"""The manifest: one JSON document that describes a checkpoint (format v3, docs/format.md).
+"""The manifest: one JSON document that describes a checkpoint (format v3/v4, docs/format.md).
 
 Writing is ``json.dumps`` of dataclasses, sealed with a SHA-256 of its own bytes
 (:mod:`asyncckpt.manifest_digest`). Reading treats the file as hostile input: the digest is
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .delta_ops import DELTA_OPS
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest_digest import DIGEST_FIELD, seal, unseal
@@ -31,8 +32,13 @@ DIGEST_VERSION = 3
 """Version 3 added the manifest's own SHA-256 (:mod:`asyncckpt.manifest_digest`); every manifest
 is written as version 3, and a version-3 manifest without a valid digest is corrupt."""
 FORMAT_VERSION = DIGEST_VERSION
-"""The version every manifest is written as."""
-READABLE_VERSIONS = (1, TENSOR_PLANES_VERSION, DIGEST_VERSION)
+"""The version every manifest without deltas is written as."""
+DELTA_VERSION = 4
+"""Version 4 added incremental checkpoints: a top-level ``reference`` (the checkpoint this one's delta
+records are relative to) and a per-record ``delta`` op. Only a manifest with at least one delta
+record is written as version 4, so that a version-3 reader refuses it instead of loading the
+transformed bytes as the tensor; every other manifest stays version 3, byte for byte as before."""
+READABLE_VERSIONS = (1, TENSOR_PLANES_VERSION, DIGEST_VERSION, DELTA_VERSION)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TENSOR_BYTES = 1 << 46
@@ -40,6 +46,7 @@ MAX_TENSOR_BYTES = 1 << 46
 MAX_DIMS = 64
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,5})?")
 """The devices a tensor is saved from, and so the only ones load() places a tensor on."""
 
@@ -66,6 +73,19 @@ class TensorRecord:
     codec_params: dict[str, Any]
     chunks: list[list[int]]
     checksum: Checksum
+    delta: str | None = None
+    """Version 4: None (the blob decodes to the tensor's bytes) or a :data:`~asyncckpt.delta_ops.DELTA_OPS`
+    name: the blob decodes to :func:`~asyncckpt.delta_ops.encode_delta` of the tensor's bytes against the
+    record of the same ``file`` and ``key`` in the checkpoint named by the manifest's ``reference``."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Version 4: the checkpoint a delta checkpoint's delta records are relative to."""
+
+    step: int
+    manifest_sha256: str
+    """That checkpoint's manifest digest when this one was written: a base replaced later is detected."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,8 @@ class Manifest:
     io_mode: str = "posix"
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    reference: Reference | None = None
+    """Version 4: the base checkpoint of the delta records (None: no record is a delta)."""
     digest: str | None = field(default=None, compare=False)
     """The ``manifest_sha256`` it was read with (hex), None for a manifest of version 1 or 2, which
     has none; never written from here (:meth:`to_json` computes it)."""
@@ -91,11 +113,28 @@ class Manifest:
     def stored_bytes(self) -> int:
         return sum(t.stored_bytes for t in self.tensors)
 
+    @property
+    def is_delta(self) -> bool:
+        """Whether any record is stored as a delta against :attr:`reference`."""
+        return self.reference is not None and any(t.delta is not None for t in self.tensors)
+
     def to_json(self) -> bytes:
-        """The manifest file's bytes, sealed with its digest, as the current format version."""
+        """The manifest file's bytes, sealed with its digest: version 4 if any record is a delta, else 3.
+
+        A version-3 manifest has neither ``reference`` nor any record's ``delta`` (its bytes are
+        exactly what versions before deltas wrote).
+        """
+        if any(t.delta is not None for t in self.tensors) and self.reference is None:
+            raise ValueError("a manifest with delta records needs a reference")
         doc = asdict(self)
         del doc["digest"]
-        doc["format_version"] = FORMAT_VERSION
+        if self.is_delta:
+            doc["format_version"] = DELTA_VERSION
+        else:
+            doc["format_version"] = FORMAT_VERSION
+            del doc["reference"]
+            for record in doc["tensors"]:
+                del record["delta"]
         return seal(doc)
 
 
@@ -191,9 +230,14 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             f"{where}: a format version {version} manifest has no {DIGEST_FIELD}; the manifest is corrupt"
         )
     raw_tensors = fields.get("tensors", list)
-    tensors = [_parse_tensor(item, f"{where}: tensors[{i}]") for i, item in enumerate(raw_tensors)]
+    deltas = version >= DELTA_VERSION
+    tensors = [_parse_tensor(item, f"{where}: tensors[{i}]", deltas) for i, item in enumerate(raw_tensors)]
+    step = fields.nonnegative("step")
+    reference = _reference(fields, step) if deltas else None
+    if reference is None and any(t.delta is not None for t in tensors):
+        raise CorruptCheckpointError(f"{where}: delta records but no reference checkpoint")
     return Manifest(
-        step=fields.nonnegative("step"),
+        step=step,
         created_unix=_finite_seconds(fields.get("created_unix", (int, float)), where),
         library_version=fields.get("library_version", str),
         tensors=tensors,
@@ -201,8 +245,25 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         metadata=fields.get("metadata", dict),
         io_mode=fields.get("io_mode", str),
         format_version=version,
+        reference=reference,
         digest=digest,
     )
+
+
+def _reference(fields: _Fields, step: int) -> Reference | None:
+    """A version-4 manifest's ``reference``: null, or an earlier step and a manifest digest."""
+    raw = fields.get("reference", (dict, type(None)))
+    if raw is None:
+        return None
+    ref = _Fields(raw, f"{fields.where}: reference")
+    base = ref.nonnegative("step")
+    if base >= step:
+        raise CorruptCheckpointError(f"{fields.where}: reference step {base} is not below the checkpoint's own "
+                                     f"step {step}; the manifest is corrupt")  # fmt: skip
+    digest = ref.get("manifest_sha256", str)
+    if not _SHA256.fullmatch(digest):
+        raise CorruptCheckpointError(f"{fields.where}: reference manifest_sha256 is not 64 lowercase hex digits")
+    return Reference(step=base, manifest_sha256=digest)
 
 
 def _finite_seconds(value: float, where: str) -> float:
@@ -243,7 +304,7 @@ class _Fields:
         return value
 
 
-def _parse_tensor(item: object, where: str) -> TensorRecord:
+def _parse_tensor(item: object, where: str, deltas: bool = False) -> TensorRecord:
     f = _Fields(item, where)
     key = f.get("key", str)
     where = f"{where} ({key!r})"
@@ -270,6 +331,9 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
     if sum(c[0] for c in chunks) != stored_bytes or sum(c[1] for c in chunks) != raw_bytes:
         raise CorruptCheckpointError(f"{where}: chunk sizes do not add up to stored_bytes/raw_bytes")
     checksum = _Fields(f.get("checksum", dict), f"{where}: checksum")
+    delta = f.get("delta", (str, type(None))) if deltas else None
+    if delta is not None and delta not in DELTA_OPS:
+        raise CorruptCheckpointError(f"{where}: unknown delta op {delta!r} (known: {', '.join(DELTA_OPS)})")
     return TensorRecord(
         key=key,
         dtype=f.get("dtype", str),
@@ -283,6 +347,7 @@ def _parse_tensor(item: object, where: str) -> TensorRecord:
         codec_params=f.get("codec_params", dict),
         chunks=chunks,
         checksum=Checksum(algorithm=checksum.get("algorithm", str), value=checksum.get("value", str)),
+        delta=delta,
     )
 
 

@@ -15,6 +15,10 @@ from typing import Any, Literal
 
 WhenBusy = Literal["block", "skip"]
 SnapshotMode = Literal["auto", "host", "device", "fence"]
+DeltaMode = Literal["off", "on", "auto"]
+DELTA_MODES = ("off", "on", "auto")
+MAX_DELTA_FULL_EVERY = 64
+"""The longest chain a reader follows (``asyncckpt.delta_chain.MAX_CHAIN_DEPTH``)."""
 
 CODEC_NAMES = ("auto", "none", "zstd", "lz4", "deflate", "ans", "gdeflate", "bitcomp", "cascaded")
 
@@ -44,6 +48,15 @@ class CheckpointOptions:
     """Parallel writer threads (KvikIO); 0 picks a default."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (plus the local rank); None serves nothing."""
+    delta: DeltaMode = "off"
+    """Incremental checkpoints (docs/format.md, :mod:`asyncckpt.delta_encode`): ``off`` (every save
+    full), ``on`` (a tensor is stored as a delta against the previous committed save whenever that
+    is smaller; costs host memory for one raw copy of the state, within ``host_staging_budget_bytes``),
+    ``auto`` (as ``on``, but keys whose delta does not pay are neither tried nor kept in memory until
+    the next full save, and references share the host budget with staging)."""
+    delta_full_every: int = 4
+    """With ``delta``: every this many saves one is full (1: all full). Restoring any step reads at
+    most this many checkpoints per tensor; larger values shrink more saves and read more on restore."""
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
@@ -62,6 +75,11 @@ class CheckpointOptions:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if self.io_threads < 0:
             raise ValueError(f"io_threads must be >= 0, got {self.io_threads}")
+        if self.delta not in DELTA_MODES:
+            raise ValueError(f"delta must be 'off', 'on' or 'auto'; got {self.delta!r}")
+        if type(self.delta_full_every) is not int or not 1 <= self.delta_full_every <= MAX_DELTA_FULL_EVERY:
+            raise ValueError(f"delta_full_every must be an int in [1, {MAX_DELTA_FULL_EVERY}] (saves per full "
+                             f"checkpoint), got {self.delta_full_every!r}")  # fmt: skip
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be a TCP port (0-65535), got {self.metrics_port}")
 

@@ -24,6 +24,7 @@ from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
 from .commit_points import reached
+from .delta_encode import DeltaSave, DeltaWriter
 from .dtypes import dtype_name
 from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
 from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord, manifest_json
@@ -55,6 +56,8 @@ class SaveJob:
     snapshot_seconds: float
     snapshot_mode: str
     snapshot_reason: str = ""
+    full: bool = False
+    """``save(..., full=True)``: no delta records, whatever the checkpointer's ``delta`` option."""
     files: dict[str, bytes] = field(default_factory=dict)
     """Small extra files (name -> bytes) written into the checkpoint directory before its manifest,
     e.g. a framework's own JSON state; names are plain file names (checked by :func:`check_extra_files`)."""
@@ -96,8 +99,13 @@ class WrittenPart:
     """compress, write and fsync seconds."""
 
 
-def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Path) -> WrittenPart:
+def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Path,
+               delta: DeltaSave | None = None) -> WrittenPart:  # fmt: skip
     """Encode every staged tensor into the new data file ``path`` and fsync it. Worker thread.
+
+    With ``delta`` (an incremental save, :mod:`asyncckpt.delta_encode`), each tensor is encoded
+    by it, as a delta where that wins, and recorded as the next save's reference; it needs an
+    encoder without ``encode_snapshot`` (the CPU path).
 
     Whatever happens, the snapshot is released (its staging memory reusable) when this returns or
     raises, and only then, because a ``none``-coded blob aliases the staging memory. On failure the
@@ -112,11 +120,12 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
         writer = storage.open_writer(path)
         try:
             records, codecs = [], Counter[str]()
-            blobs = encode_all(encoder, snapshot)
+            blobs = encode_all(encoder, snapshot) if delta is None else iter(())
             for staged in snapshot.tensors:
                 began = time.perf_counter()
-                blob = next(blobs)
-                if blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and stable:
+                blob = next(blobs) if delta is None else delta.encode(encoder, staged, stable)
+                if blob.delta is None and blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and \
+                        stable:  # fmt: skip
                     blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
                 digest = blob_checksum(blob)
                 written = time.perf_counter()
@@ -128,7 +137,7 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
                     key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
                     device=str(staged.device), file=path.name, offset=offset, stored_bytes=blob.stored_bytes,
                     raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
-                    chunks=[[s, r] for s, r in blob.chunks], checksum=digest,
+                    chunks=[[s, r] for s, r in blob.chunks], checksum=digest, delta=blob.delta,
                 ))  # fmt: skip
             began = time.perf_counter()
             writer.sync()
@@ -144,15 +153,30 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
     return WrittenPart(records=records, codecs=codecs, stage_seconds=stages)
 
 
-def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None) -> SaveResult:
-    """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread."""
+def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None,
+            delta: DeltaWriter | None = None) -> SaveResult:  # fmt: skip
+    """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread.
+
+    ``delta``: the checkpointer's incremental-save state, or None for a full save; the caller
+    invalidates it if this raises.
+    """
     final = root / checkpoint_name(job.step)
     if not root.is_dir():  # deleted mid-run: every later save would fail without it
         log.warning("asyncckpt: the run directory %s is gone; recreating it", root)
         root.mkdir(parents=True, exist_ok=True)
-    result = persist_to(job, final, encoder, storage)
+    result = persist_to(job, final, encoder, storage, delta=begin_delta(delta, job, encoder))
     retain_quietly(root, keep_last, protect=final)
     return result
+
+
+def begin_delta(delta: DeltaWriter | None, job: SaveJob, encoder: Encoder) -> DeltaSave | None:
+    """This save's delta session, or None when it cannot have one (no delta option, or the encoder
+    batches whole snapshots: the GPU pipeline, which has its own hook to wire). Worker thread."""
+    if delta is None or getattr(encoder, "encode_snapshot", None) is not None:
+        if delta is not None:
+            delta.invalidate()  # nothing recorded this save: the next one cannot refer to it
+        return None
+    return delta.begin(job.step, full=job.full, staging_bytes=job.snapshot.staging_bytes)
 
 
 def retain_quietly(root: Path, keep_last: int | None, protect: Path) -> None:
@@ -164,27 +188,29 @@ def retain_quietly(root: Path, keep_last: int | None, protect: Path) -> None:
 
 
 def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *, point_latest: bool = True,
-               replace: bool = False) -> SaveResult:  # fmt: skip
+               replace: bool = False, delta: DeltaSave | None = None) -> SaveResult:  # fmt: skip
     """Write ``job`` into a temporary directory beside ``final`` and rename it to ``final``. Worker thread.
 
     ``point_latest`` also points ``final.parent/latest`` at it (the run-directory layout);
     integrations that choose their own paths (Lightning, Hugging Face) turn it off. ``replace``
     lets the new checkpoint take the place of an existing one at ``final`` (never half-written:
-    see :func:`asyncckpt.layout.publish`).
+    see :func:`asyncckpt.layout.publish`). ``delta``: this save's incremental session (the
+    manifest refers to its base; its bytes become the next reference once committed).
     """
     tmp = temporary_dir(final.parent, job.step)
     try:
         os.mkdir(tmp)
         reached("tmp-created")
-        part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE)
+        part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE, delta)
         reached("data-written")
         began = time.perf_counter()
         for name, data in job.files.items():
             write_durably(tmp / name, data)
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
                             tensors=part.records, structure=job.skeleton, metadata=job.metadata,
-                            io_mode=storage.io_mode)  # fmt: skip
-        write_durably(tmp / MANIFEST_NAME, manifest_json(manifest, final))
+                            io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
+        manifest_bytes = manifest_json(manifest, final)
+        write_durably(tmp / MANIFEST_NAME, manifest_bytes)
         reached("manifest-written")
         if point_latest:
             commit(tmp, final)
@@ -195,6 +221,8 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         # The snapshot is released by write_part, or by the checkpointer's worker if it failed earlier.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if delta is not None:
+        delta.committed(job.step, manifest_bytes, manifest.is_delta)
     stages = {"snapshot": job.snapshot_seconds, **part.stage_seconds, "commit": commit_seconds}
     return SaveResult(
         step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,

@@ -37,6 +37,9 @@ class EncodedBlob:
     """``(stored_bytes, raw_bytes)`` per chunk, in order."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Codec parameters that decoding needs, written to the manifest (JSON values only)."""
+    delta: str | None = None
+    """None, or the :data:`~asyncckpt.delta_ops.DELTA_OPS` op whose output the chunks encode: the
+    record's ``delta`` (format version 4; set by :mod:`asyncckpt.delta_encode`, never by a codec)."""
 
     @property
     def stored_bytes(self) -> int:

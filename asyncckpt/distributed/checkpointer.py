@@ -80,15 +80,17 @@ class DistributedCheckpointer(AsyncCheckpointer):
     def world_size(self) -> int:
         return self.context.world_size
 
-    def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    def save(self, step: int, state: object, *, metadata: dict[str, Any] | None = None,
+             full: bool = False) -> SaveHandle:  # fmt: skip
         """Stage this rank's ``state`` and return; the commit waits for every rank. Training thread.
 
-        Every rank must call it with the same ``step``. The handle's ``result()`` raises
-        :class:`~asyncckpt.SaveFailedError` on every rank if any rank failed.
+        Every rank must call it with the same ``step`` (and the same ``full``: with the ``delta``
+        option, each rank's data refers to its own data in the previous committed step). The
+        handle's ``result()`` raises :class:`~asyncckpt.SaveFailedError` on every rank if any rank failed.
         """
         if self.context.rank not in self.context.writers:
             state = {}  # a replica: rank 0 stores the state; this rank only follows the commit
-        return super().save(step, state, metadata=metadata)
+        return super().save(step, state, metadata=metadata, full=full)
 
     def load(self, step: int | str = "latest", map_location: Any = None) -> Any:
         """This rank's part of checkpoint ``step`` (rank 0's for a replicated save). Calling thread."""
@@ -96,4 +98,4 @@ class DistributedCheckpointer(AsyncCheckpointer):
 
     def _persist(self, job: SaveJob) -> SaveResult:
         return persist_rank(job, self.directory, self._backend.encoder, self._backend.storage, self.context,
-                            self.options.keep_last)  # fmt: skip
+                            self.options.keep_last, self._delta)  # fmt: skip

@@ -41,10 +41,12 @@ from typing import Any
 from .._version import __version__
 from ..codecs import Encoder
 from ..commit_points import reached
+from ..delta_encode import DeltaSave, DeltaWriter
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, commit, finish_interrupted_commit, fsync_dir, is_commit_marker, pointer_reaches
-from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, manifest_json, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, retain_quietly, write_durably, write_part
+from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
+from ..manifest_digest import PREFIX_BYTES
+from ..persist import SaveJob, WrittenPart, begin_delta, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -89,17 +91,20 @@ def abort_marker(root: Path, step: int, session: str) -> Path:
 
 
 def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, ctx: RankContext,
-                 keep_last: int | None) -> SaveResult:  # fmt: skip
+                 keep_last: int | None, delta: DeltaWriter | None = None) -> SaveResult:  # fmt: skip
     """Write this rank's part of ``job`` and take part in the commit. Checkpoint worker thread.
 
     No collectives: coordination is by files only (module docstring). Raises
-    :class:`RankFailedError` on every rank when any rank fails or times out.
+    :class:`RankFailedError` on every rank when any rank fails or times out. ``delta``: this
+    rank's incremental-save state (its records refer to its own records of the previous committed
+    step); the caller invalidates it if this raises, which every rank sees for a failed save.
     """
     tmp = temporary_dir(root, job.step, ctx.session)
     part: WrittenPart | None = None
+    session = begin_delta(delta, job, encoder) if ctx.rank in ctx.writers else None
     try:
         if ctx.rank in ctx.writers:
-            part = _write_own_part(job, root, tmp, encoder, storage, ctx)
+            part = _write_own_part(job, root, tmp, encoder, storage, ctx, session)
         else:
             job.snapshot.release()  # a replica rank stages nothing and writes nothing
     except BaseException as exc:
@@ -113,6 +118,10 @@ def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, c
             _sweep_aborted(root, ctx.session)
     else:
         final = _wait_for_commit(root, job.step, ctx)
+    if session is not None:
+        # As this rank sees the commit: the combined manifest, whose digest the next save refers to.
+        data = (final / MANIFEST_NAME).read_bytes()
+        session.committed(job.step, data[:PREFIX_BYTES], read_manifest(final).is_delta)
     stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}),
               "commit": time.perf_counter() - began}  # fmt: skip
     records = part.records if part else []
@@ -126,18 +135,18 @@ def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, c
 
 
 def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, storage: Storage,
-                    ctx: RankContext) -> WrittenPart:  # fmt: skip
+                    ctx: RankContext, delta: DeltaSave | None = None) -> WrittenPart:  # fmt: skip
     marker = abort_marker(root, job.step, ctx.session)
     if marker.exists():  # the committer already gave up on this step: do not write into it
         raise RankFailedError(f"step {job.step} was aborted before rank {ctx.rank} wrote: {_reason(marker)}")
     root.mkdir(parents=True, exist_ok=True)  # deleted mid-run: recreate it, as a single-process save does
     tmp.mkdir(exist_ok=True)  # every rank races to create it; all get the same directory
     data_path = tmp / data_file_name(ctx.rank)
-    part = write_part(job.snapshot, encoder, storage, data_path)  # releases the snapshot, cleans up on failure
+    part = write_part(job.snapshot, encoder, storage, data_path, delta)  # releases the snapshot; cleans up on failure
     reached("data-written")
     own = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__, tensors=part.records,
                    structure=job.skeleton, metadata={"rank": ctx.rank, "session": ctx.session, "user": job.metadata},
-                   io_mode=storage.io_mode)  # fmt: skip
+                   io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
     # Written under a scratch name and renamed: part-r{rank}.json appears only complete, and only
     # after its data file is durable, so its existence is this rank's "my part is durable" vote.
     scratch = tmp / f".{part_file_name(ctx.rank)}.writing"
@@ -224,6 +233,7 @@ def _combined_manifest(job: SaveJob, tmp: Path, ctx: RankContext, storage: Stora
     and the structure is ``{rank: that rank's state}`` with tensor ids shifted to match."""
     tensors: list[TensorRecord] = []
     items, ranks = [], []
+    references: set[Reference] = set()
     for rank in ctx.writers:
         where = str(tmp / part_file_name(rank))
         part = parse_manifest((tmp / part_file_name(rank)).read_bytes(), where)
@@ -231,16 +241,20 @@ def _combined_manifest(job: SaveJob, tmp: Path, ctx: RankContext, storage: Stora
             raise RankFailedError(f"{where}: belongs to another job or step; refusing to commit it")
         if any(r.file != data_file_name(rank) for r in part.tensors):
             raise RankFailedError(f"{where}: names a data file other than {data_file_name(rank)}")
+        if part.is_delta and part.reference is not None:
+            references.add(part.reference)
         first = len(tensors)
         tensors.extend(part.tensors)
         items.append([{"t": "int", "v": rank}, _shift_ids(part.structure, first)])
         ranks.append({"rank": rank, "first_tensor": first, "tensors": len(part.tensors),
                       "file": data_file_name(rank), "metadata": part.metadata.get("user", {})})  # fmt: skip
+    if len(references) > 1:  # every rank refers to the previous committed step: never reached unless corrupt
+        raise RankFailedError(f"step {job.step}: the ranks' delta parts refer to different bases {references}")
     distributed = {"world_size": ctx.world_size, "session": ctx.session, "replicated": ctx.writers == (0,),
                    "ranks": ranks}  # fmt: skip
     return Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__, tensors=tensors,
                     structure={"t": "dict", "items": items}, metadata={**job.metadata, DISTRIBUTED_KEY: distributed},
-                    io_mode=storage.io_mode)  # fmt: skip
+                    io_mode=storage.io_mode, reference=next(iter(references), None))  # fmt: skip
 
 
 def _shift_ids(node: Any, offset: int) -> Any:
