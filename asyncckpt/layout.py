@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .commit_points import reached
 from .errors import CheckpointError
-from .manifest import MANIFEST_NAME, read_regular_file
+from .manifest import MANIFEST_NAME, read_manifest, read_regular_file
 
 log = logging.getLogger("asyncckpt")
 
@@ -259,7 +259,8 @@ def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> li
     above it were saved before a restart from an earlier checkpoint (an abandoned timeline): they
     are neither counted nor deleted here, since the new timeline's checkpoints are the ones to
     keep; :func:`discard_steps_after` removes them when asked. Symlinks are never checkpoints
-    (:func:`list_checkpoints`), so retention never follows or deletes one.
+    (:func:`list_checkpoints`), so retention never follows or deletes one. A checkpoint that a kept
+    one depends on (its delta ``reference``, transitively) is kept too, so every kept step loads.
     """
     if keep_last is None:
         return []
@@ -267,12 +268,36 @@ def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> li
     ceiling = int(match.group(1)) if match else None
     timeline = [c for c in list_checkpoints(directory) if ceiling is None or c.step <= ceiling]
     keep = {c.path for c in timeline[-keep_last:]} | {protect}
+    keep |= _bases_of(directory, keep)
     deleted = []
     for info in timeline:
         if info.path not in keep:
             delete_checkpoint_dir(info.path)
             deleted.append(info.path)
     return deleted
+
+
+def _bases_of(directory: Path, kept: set[Path]) -> set[Path]:
+    """The checkpoints the ``kept`` ones refer to as delta bases, transitively (at most 64 hops each).
+
+    A manifest that cannot be read protects nothing: it cannot load anyway, and its base stays
+    only if something readable needs it.
+    """
+    bases: set[Path] = set()
+    for path in kept:
+        current = path
+        for _ in range(64):
+            try:
+                reference = read_manifest(current).reference
+            except (CheckpointError, OSError):
+                break
+            if reference is None:
+                break
+            current = directory / checkpoint_name(reference.step)
+            if current in bases:
+                break
+            bases.add(current)
+    return bases
 
 
 def discard_steps_after(directory: str | os.PathLike[str], step: int) -> list[int]:

@@ -74,7 +74,7 @@ def _tensor0(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_tensor0("codec", "ans"), "needs a CUDA GPU with the GPU extra"),
         (_tensor0("chunks", [[1, 2]]), "chunk sizes do not add up"),
         (_tensor0("checksum", {"algorithm": "md5", "value": "0"}), "unknown checksum algorithm 'md5'"),
-        (lambda d: d.update(format_version=4), "format version 4 is not supported"),
+        (lambda d: d.update(format_version=5), "format version 5 is not supported"),
         (lambda d: d.update(format="safetensors"), "not an asyncckpt manifest"),
         (lambda d: d.pop("tensors"), "missing field 'tensors'"),
         (lambda d: d.update(structure={"t": "tensor", "id": 99}), "structure refers to tensor 99"),

@@ -1,5 +1,8 @@
 """``asyncckpt ls DIR``: the committed checkpoints of a run directory, one row each.
 
+The ``base`` column says ``full``, or ``delta:N`` for an incremental checkpoint whose delta
+records refer to step N (``--json``: ``delta``, ``base_step``, ``delta_tensors``).
+
 A checkpoint whose manifest cannot be read or fails validation is reported in its own row
 (``CORRUPT: ...``) and the listing goes on; the exit status is then 1 (see :mod:`asyncckpt.cli`).
 """
@@ -36,8 +39,11 @@ def rows(directory: str) -> list[dict[str, Any]]:
             row["error"] = " ".join(str(exc).split())
         else:
             stored = manifest.stored_bytes
+            reference = manifest.reference
             row.update(created_unix=manifest.created_unix, raw_bytes=manifest.raw_bytes, stored_bytes=stored,
-                       ratio=manifest.raw_bytes / stored if stored else 1.0, tensors=len(manifest.tensors))  # fmt: skip
+                       ratio=manifest.raw_bytes / stored if stored else 1.0, tensors=len(manifest.tensors),
+                       delta=manifest.is_delta, base_step=reference.step if reference else None,
+                       delta_tensors=sum(1 for t in manifest.tensors if t.delta is not None))  # fmt: skip
         out.append(row)
     return out
 
@@ -52,13 +58,14 @@ def run(args: argparse.Namespace) -> int:
     if not found:
         print(f"{args.directory}: no committed checkpoints")
         return 0
-    print(f"{'step':>10}  {'created (UTC)':19}  {'raw MB':>10}  {'stored MB':>10}  {'ratio':>6}  path")
+    print(f"{'step':>10}  {'created (UTC)':19}  {'raw MB':>10}  {'stored MB':>10}  {'ratio':>6}  {'base':>10}  path")
     for row in found:
         mark = "  <- latest" if row["latest"] else ""
         if "error" in row:
             print(f"{row['step']:>10}  CORRUPT: {row['error']}  {row['path']}{mark}")
             continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["created_unix"]))
+        base = "full" if row["base_step"] is None else f"delta:{row['base_step']}"
         print(f"{row['step']:>10}  {created:19}  {row['raw_bytes'] / 1e6:>10.2f}  {row['stored_bytes'] / 1e6:>10.2f}"
-              f"  {row['ratio']:>6.3f}  {row['path']}{mark}")  # fmt: skip
+              f"  {row['ratio']:>6.3f}  {base:>10}  {row['path']}{mark}")  # fmt: skip
     return status
