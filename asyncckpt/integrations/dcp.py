@@ -133,9 +133,10 @@ class AsyncCkptWriter(StorageWriter):
         super().__init__()
         self.options = resolve_options(**options)
         if self.options.delta != "off":
-            raise CheckpointError(f"AsyncCkptWriter does not write incremental checkpoints (delta="
-                                  f"{self.options.delta!r}, perhaps from ASYNCCKPT_DELTA): DCP reshards on load, so a per-rank delta against "
-                                  "the previous save would be meaningless; use delta='off' here")  # fmt: skip
+            raise CheckpointError(
+                f"AsyncCkptWriter does not write incremental checkpoints (delta={self.options.delta!r}, perhaps "
+                "from ASYNCCKPT_DELTA): DCP reshards on load, so a per-rank delta would be meaningless; use delta='off'"
+            )
         self.path = Path(path) if path is not None else None
         self.overwrite = overwrite
         # Guarded: a hook that raises is logged and counted, and never fails a write that succeeded.
