@@ -28,6 +28,7 @@ from dataclasses import replace
 from .codecs import EncodedBlob, Encoder, NoneCodec
 from .delta_ops import DELTA_OPS, encode_delta
 from .delta_reference import Base, ReferenceStore
+from .errors import CorruptCheckpointError
 from .manifest import Reference
 from .manifest_digest import unseal
 from .options import MAX_DELTA_FULL_EVERY, CheckpointOptions
@@ -123,9 +124,13 @@ class DeltaSave:
             self.writer.losers.add(key)
         return None
 
-    def committed(self, step: int, manifest_bytes: bytes, has_reference: bool) -> None:
-        """The save is committed with these manifest bytes: its bytes become the next save's reference."""
-        digest = unseal(manifest_bytes, f"step {step}")
+    def committed(self, step: int, manifest: bytes | str | None, has_reference: bool) -> None:
+        """The save is committed with this manifest (its file's bytes, or its digest): its bytes become
+        the next save's reference. Never raises: the checkpoint is committed whatever happens here."""
+        try:
+            digest = unseal(manifest, f"step {step}") if isinstance(manifest, bytes) else manifest
+        except CorruptCheckpointError:
+            digest = None
         if digest is None:
             self.writer.invalidate()
             return

@@ -1,4 +1,4 @@
-"""Incremental checkpoints through the checkpointer: chains, per-tensor choice, restarts, retention, failures, ls/convert."""
+"""Incremental checkpoints through the checkpointer: chains, per-tensor choice, restart, retention, failure, CLI."""
 
 from __future__ import annotations
 

@@ -45,7 +45,6 @@ from ..delta_encode import DeltaSave, DeltaWriter
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, commit, finish_interrupted_commit, fsync_dir, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
-from ..manifest_digest import PREFIX_BYTES
 from ..persist import SaveJob, WrittenPart, begin_delta, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
@@ -120,8 +119,8 @@ def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, c
         final = _wait_for_commit(root, job.step, ctx)
     if session is not None:
         # As this rank sees the commit: the combined manifest, whose digest the next save refers to.
-        data = (final / MANIFEST_NAME).read_bytes()
-        session.committed(job.step, data[:PREFIX_BYTES], read_manifest(final).is_delta)
+        manifest = read_manifest(final)
+        session.committed(job.step, manifest.digest, manifest.is_delta)
     stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}),
               "commit": time.perf_counter() - began}  # fmt: skip
     records = part.records if part else []

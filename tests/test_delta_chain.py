@@ -1,0 +1,164 @@
+"""Delta chains read as hostile input; a property round trip through a chain; per-rank deltas with real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from property_states import difference, states
+from test_distributed import _PRELUDE, _run_ranks
+
+import asyncckpt
+from asyncckpt.manifest import MANIFEST_NAME, read_manifest
+from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+
+
+def _chain(root: Path, steps: int = 4) -> None:
+    w = torch.linspace(0, 1, 20_000)
+    with asyncckpt.AsyncCheckpointer(root, delta="on", delta_full_every=8) as ckpt:
+        for step in range(1, steps + 1):
+            ckpt.save(step * 10, {"w": w + step * 1e-7, "i": torch.arange(5000) + step}).result()
+
+
+def _rewrite(checkpoint: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    path = checkpoint / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    del doc[DIGEST_FIELD]
+    change(doc)
+    path.write_bytes(seal(doc))
+
+
+def _set_reference(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: doc["reference"].update(fields)
+
+
+def _retype_w(doc: dict[str, Any]) -> None:
+    for record in doc["tensors"]:
+        if record["key"] == "w":
+            record["dtype"] = "int32"
+
+
+HOSTILE = {
+    "reference to a higher step": (_set_reference(step=40), "not below the checkpoint's own step"),
+    "reference to itself": (_set_reference(step=30), "not below"),
+    "missing base": (_set_reference(step=5), "base checkpoint \\(step 5\\) is missing"),
+    "digest mismatch": (_set_reference(manifest_sha256="0" * 64), "was written against"),
+    "malformed digest": (_set_reference(manifest_sha256="xyz"), "64 lowercase hex"),
+    "delta without reference": (lambda d: d.update(reference=None), "delta records but no reference"),
+    "unknown op": (lambda d: d["tensors"][0].update(delta="add"), "unknown delta op"),
+    "no such key in the base": (lambda d: [t.update(key="other") for t in d["tensors"]], "has no record of 'other'"),
+    "dtype differs from the base": (_retype_w, "delta against it is int32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_v4_manifests_are_corrupt_in_load_and_verify(case: str, tmp_path: Path) -> None:
+    _chain(tmp_path)
+    change, message = HOSTILE[case]
+    target = tmp_path / "step-0000000030"
+    assert read_manifest(target).format_version == 4
+    _rewrite(target, change)
+    for reader in (asyncckpt.load, asyncckpt.verify):
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match=message):
+            reader(target)
+
+
+def test_a_replaced_base_is_named_with_its_dependent(tmp_path: Path) -> None:
+    _chain(tmp_path)
+    _rewrite(tmp_path / "step-0000000020", lambda d: d["metadata"].update(edited=True))  # resealed: a new digest
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="step-0000000030.*delta against step 20.*replaced"):
+        asyncckpt.verify(tmp_path / "step-0000000030")
+    assert asyncckpt.verify(tmp_path / "step-0000000020")  # the base itself is a valid checkpoint
+
+
+def test_a_chain_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    from asyncckpt import delta_chain
+
+    _chain(tmp_path, steps=4)
+    limit = delta_chain.MAX_CHAIN_DEPTH
+    try:
+        delta_chain.MAX_CHAIN_DEPTH = 2  # the writer's chain here is 3 long
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match="more than 2 delta checkpoints"):
+            asyncckpt.load(tmp_path, step=40)
+        assert asyncckpt.load(tmp_path, step=30) is not None
+    finally:
+        delta_chain.MAX_CHAIN_DEPTH = limit
+
+
+def _drift(state: Any, seed: int) -> Any:
+    """The state with some tensors' bytes changed a little (a few bytes flipped), as training would."""
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(state, torch.Tensor):
+        if state.numel() == 0 or torch.rand(1, generator=gen).item() < 0.3:
+            return state
+        raw = state.detach().clone().contiguous().reshape(-1).view(torch.uint8)
+        index = torch.randint(0, raw.numel(), (max(1, raw.numel() // 50),), generator=gen)
+        raw[index] ^= 1
+        if state.dtype is torch.bool:
+            raw &= 1
+        return raw.view(state.dtype).reshape(state.shape)
+    if isinstance(state, dict):
+        return type(state)((k, _drift(v, seed + i)) for i, (k, v) in enumerate(state.items()))
+    if isinstance(state, (list, tuple)):
+        return type(state)(_drift(v, seed + i) for i, v in enumerate(state)) if not hasattr(state, "_fields") else state
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@given(state=states(max_leaves=8), full_every=st.integers(1, 3))
+def test_random_states_round_trip_through_a_chain(state: Any, full_every: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-delta-") as tmp:
+        saved = []
+        with asyncckpt.AsyncCheckpointer(tmp, delta="on", delta_full_every=full_every) as ckpt:
+            for step in range(1, 5):
+                current = state if step == 1 else _drift(saved[-1], step)
+                saved.append(current)
+                ckpt.save(step, current).result()
+        for step, expected in enumerate(saved, start=1):
+            found = difference(expected, asyncckpt.load(tmp, step=step))
+            assert found is None, f"step {step}: {found}"
+
+
+_DISTRIBUTED = (
+    _PRELUDE
+    + """
+from asyncckpt.distributed import load_rank
+from asyncckpt.manifest import read_manifest
+w = torch.linspace(0, 1, 30_000) * (rank + 1)
+saved = {}
+with DistributedCheckpointer(root, delta="on", delta_full_every=3, keep_last=1) as ckpt:
+    for step in range(1, 6):
+        w.add_(1e-7 * step)
+        saved[step] = {"w": w.clone(), "rank": rank, "ids": torch.arange(2000) * (rank + 1) + step}
+        ckpt.save(step, saved[step]).result(timeout=60)
+steps = [c.step for c in asyncckpt.list_checkpoints(root)]
+equal = {s: bool(torch.equal(load_rank(root, rank, step=s)["w"], saved[s]["w"])) for s in steps}
+manifests = {s: read_manifest(ckpt.directory / f"step-{s:010d}") for s in steps}
+report(steps=steps, equal=equal, versions={s: m.format_version for s, m in manifests.items()},
+       refs={s: m.reference.step if m.reference else None for s, m in manifests.items()},
+       files=sorted({t.file for t in manifests[5].tensors if t.delta}))
+"""
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_distributed_ranks_refer_to_their_own_previous_data(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    results = _run_ranks(_DISTRIBUTED, root, tmp_path)
+    for rank, (code, found, output) in enumerate(results):
+        assert code == 0, output
+        out = found[-1]
+        # Steps 4 (full) and 5 (its delta): keep_last=1 keeps 5 and the base it needs.
+        assert out["steps"] == [4, 5], out
+        assert all(out["equal"].values()), (rank, out)
+        assert out["versions"] == {"4": 3, "5": 4} and out["refs"] == {"4": None, "5": 4}, out
+        assert out["files"] == ["data-r0.bin", "data-r1.bin"], out
+    assert asyncckpt.verify(root).step == 5
