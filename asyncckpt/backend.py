@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .codecs import Encoder, NoneCodec, ZstdCodec
 from .data_path import Backend
+from .delta_encode import build_delta_writer
 from .errors import CheckpointError, MissingDependencyError, gpu_extra_hint
 from .options import CheckpointOptions
 from .snapshot import HostStager
@@ -44,4 +45,5 @@ def build_backend(options: CheckpointOptions) -> Backend:
     if options.snapshot not in ("auto", "host"):
         raise CheckpointError(f"snapshot={options.snapshot!r} needs a CUDA GPU")
     stager = HostStager(slots=options.max_inflight, budget_bytes=options.host_staging_budget_bytes)
-    return Backend(stager=stager, encoder=cpu_encoder(options), storage=PosixStorage(), snapshot_mode="host")
+    return Backend(stager=stager, encoder=cpu_encoder(options), storage=PosixStorage(), snapshot_mode="host",
+                   delta=build_delta_writer(options))  # fmt: skip

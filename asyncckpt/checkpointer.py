@@ -30,7 +30,6 @@ from types import TracebackType
 from typing import Any
 
 from .backend import build_backend
-from .delta_encode import build_delta_writer
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
 from .layout import MAX_STEP, checkpoint_name, discard_steps_after, latest_step, remove_stale_temporaries
@@ -72,7 +71,7 @@ class AsyncCheckpointer:
             observer if observer is not None else _default_observer(self.options, registry)
         )
         self._backend = build_backend(self.options)
-        self._delta = build_delta_writer(self.options)
+        self._delta = self._backend.delta
         """Incremental saves' reference store (None: ``delta="off"``); the worker's, invalidated on failure."""
         self._slots = threading.BoundedSemaphore(self.options.max_inflight)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .codecs.base import Encoder
 from .snapshot.base import Stager
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .delta_encode import DeltaWriter
 
 log = logging.getLogger("asyncckpt")
 
@@ -25,6 +29,9 @@ class Backend:
     """The mode of the latest save (the GPU stager decides per save)."""
     snapshot_reason: str = "CPU tensors are staged in host memory"
     """Why that mode ran, for ``SaveResult.snapshot_reason``."""
+    delta: DeltaWriter | None = None
+    """Incremental saves' policy and reference store (None: ``delta="off"``); its store lives
+    where this data path's tensors do (host memory on the CPU path, GPU memory first on the GPU path)."""
 
     def set_snapshot_mode(self, mode: str, reason: str) -> None:
         """Record the mode a save runs in; logged when it changes. Training thread."""

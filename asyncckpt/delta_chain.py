@@ -108,24 +108,36 @@ class ChainReader:
 
     def base_raw(self, record: TensorRecord) -> torch.Tensor:
         """The bytes of ``record``'s counterpart in the base checkpoint, its own deltas undone."""
-        where = tensor_where(self.checkpoint, record)
-        reference = self.manifest.reference
-        if reference is None:
-            raise CorruptCheckpointError(f"{where}: a delta record, but the manifest has no reference")
         try:
-            base = self._base_reader()
-            found = base.lookup(record)
-            if found.dtype != record.dtype or found.raw_bytes != record.raw_bytes:
-                raise CorruptCheckpointError(
-                    f"{tensor_where(base.checkpoint, found)}: is {found.dtype} of {found.raw_bytes} bytes, but the "
-                    f"delta against it is {record.dtype} of {record.raw_bytes} bytes"
-                )
-            return base.raw(found)
+            return self.base().raw(self.base_record(record))
         except CorruptCheckpointError as exc:
+            raise self.base_error(record, exc) from exc
+
+    def base(self) -> ChainReader:
+        """The base checkpoint, checked (beside this one, not a symlink, digest and step as recorded)."""
+        if self.manifest.reference is None:
+            raise CorruptCheckpointError(f"{self.checkpoint}: has delta records, but the manifest has no reference")
+        return self._base_reader()
+
+    def base_record(self, record: TensorRecord) -> TensorRecord:
+        """The base's record of ``record``'s file and key, checked to have its dtype and raw size."""
+        base = self.base()
+        found = base.lookup(record)
+        if found.dtype != record.dtype or found.raw_bytes != record.raw_bytes:
             raise CorruptCheckpointError(
-                f"{where}: is a delta against step {reference.step}, and that base checkpoint is missing or "
-                f"corrupt: {exc}"
-            ) from exc
+                f"{tensor_where(base.checkpoint, found)}: is {found.dtype} of {found.raw_bytes} bytes, but the "
+                f"delta against it is {record.dtype} of {record.raw_bytes} bytes"
+            )
+        return found
+
+    def base_error(self, record: TensorRecord, exc: CorruptCheckpointError) -> CorruptCheckpointError:
+        """``exc`` (about the base) as an error about the dependent ``record``, naming both."""
+        reference = self.manifest.reference
+        step = reference.step if reference is not None else "?"
+        return CorruptCheckpointError(
+            f"{tensor_where(self.checkpoint, record)}: is a delta against step {step}, and that base checkpoint is "
+            f"missing or corrupt: {exc}"
+        )
 
     def lookup(self, record: TensorRecord) -> TensorRecord:
         """This checkpoint's record of ``record``'s file and key (exactly one)."""

@@ -23,6 +23,7 @@ pipeline) is not given a session: its saves stay full until the GPU path wires t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from .codecs import EncodedBlob, Encoder, NoneCodec
@@ -137,9 +138,11 @@ class DeltaSave:
         self.writer.store.commit(step, digest, has_reference)
 
 
-def build_delta_writer(options: CheckpointOptions) -> DeltaWriter | None:
-    """The incremental-save state for ``options`` (None with ``delta="off"``): a host-memory store
-    bounded by the host staging budget. Any thread (it allocates nothing yet)."""
+def build_delta_writer(options: CheckpointOptions,
+                       store: Callable[[int], ReferenceStore] | None = None) -> DeltaWriter | None:  # fmt: skip
+    """The incremental-save state for ``options`` (None with ``delta="off"``). ``store`` builds the
+    reference store from the host staging budget (default: :class:`HostReferenceStore`, host
+    memory; the GPU path passes its device-memory store). Any thread (it allocates nothing yet)."""
     if options.delta == "off":
         return None
     from .delta_reference import HostReferenceStore
@@ -148,4 +151,5 @@ def build_delta_writer(options: CheckpointOptions) -> DeltaWriter | None:
     budget = options.host_staging_budget_bytes
     if budget is None:
         budget = default_host_budget_bytes()
-    return DeltaWriter(HostReferenceStore(budget), options.delta, options.delta_full_every, budget)
+    built = (store or HostReferenceStore)(budget)
+    return DeltaWriter(built, options.delta, options.delta_full_every, budget)

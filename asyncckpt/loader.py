@@ -91,9 +91,9 @@ def load_tensors(checkpoint: Path, manifest: Manifest, map_location: MapLocation
     """
     target = None if map_location is None else torch.device(map_location)
     if _restores_on_gpu(manifest, target):
-        from .gpu.restore import decode_on_device
+        from .gpu.restore import decode_chain_on_device
 
-        return decode_on_device(checkpoint, manifest, target)
+        return decode_chain_on_device(checkpoint, manifest, target)
     places = [destination(record, target, tensor_where(checkpoint, record)) for record in manifest.tensors]
     return [
         t if place.type == "cpu" else t.to(place)
@@ -107,8 +107,8 @@ def _restores_on_gpu(manifest: Manifest, target: torch.device | None) -> bool:
         wants_cuda = target.type == "cuda"
     else:
         wants_cuda = any(record.device.startswith("cuda") for record in manifest.tensors)
-    if not wants_cuda or manifest.reference is not None:
-        return False  # delta records are decoded on the host (asyncckpt.delta_chain), then moved
+    if not wants_cuda:
+        return False
     from .gpu.deps import gpu_path_available  # imports nothing optional on a machine without CUDA
 
     return gpu_path_available()

@@ -104,8 +104,8 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
     """Encode every staged tensor into the new data file ``path`` and fsync it. Worker thread.
 
     With ``delta`` (an incremental save, :mod:`asyncckpt.delta_encode`), each tensor is encoded
-    by it, as a delta where that wins, and recorded as the next save's reference; it needs an
-    encoder without ``encode_snapshot`` (the CPU path).
+    by it, as a delta where that wins, and recorded as the next save's reference; an encoder with
+    ``encode_snapshot`` (the GPU pipeline) does that itself, and its blobs carry their ``delta``.
 
     Whatever happens, the snapshot is released (its staging memory reusable) when this returns or
     raises, and only then, because a ``none``-coded blob aliases the staging memory. On failure the
@@ -120,10 +120,11 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
         writer = storage.open_writer(path)
         try:
             records, codecs = [], Counter[str]()
-            blobs = encode_all(encoder, snapshot) if delta is None else iter(())
+            per_tensor = delta if getattr(encoder, "encode_snapshot", None) is None else None
+            blobs = encode_all(encoder, snapshot) if per_tensor is None else iter(())
             for staged in snapshot.tensors:
                 began = time.perf_counter()
-                blob = next(blobs) if delta is None else delta.encode(encoder, staged, stable)
+                blob = next(blobs) if per_tensor is None else per_tensor.encode(encoder, staged, stable)
                 if blob.delta is None and blob.codec != "none" and blob.stored_bytes >= staged.data.numel() and \
                         stable:  # fmt: skip
                     blob = _identity.encode(staged.data, staged.dtype, staged.key)  # incompressible: store raw
@@ -170,13 +171,21 @@ def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_l
 
 
 def begin_delta(delta: DeltaWriter | None, job: SaveJob, encoder: Encoder) -> DeltaSave | None:
-    """This save's delta session, or None when it cannot have one (no delta option, or the encoder
-    batches whole snapshots: the GPU pipeline, which has its own hook to wire). Worker thread."""
-    if delta is None or getattr(encoder, "encode_snapshot", None) is not None:
-        if delta is not None:
-            delta.invalidate()  # nothing recorded this save: the next one cannot refer to it
+    """This save's delta session, or None without the delta option. Worker thread, as it takes the
+    save: after the previous save committed or failed, so the session's base is the last commit.
+
+    An encoder that compresses whole snapshots (the GPU pipeline) gets the session through the
+    snapshot (:class:`asyncckpt.gpu.snapshot.DeltaHandoff`); its compressor waits for it."""
+    if delta is None:
         return None
-    return delta.begin(job.step, full=job.full, staging_bytes=job.snapshot.staging_bytes)
+    session = delta.begin(job.step, full=job.full, staging_bytes=job.snapshot.staging_bytes)
+    if getattr(encoder, "encode_snapshot", None) is not None:
+        handoff = getattr(job.snapshot, "delta", None)
+        if handoff is None:  # a snapshot built elsewhere: compressed without deltas
+            delta.invalidate()  # nothing recorded this save: the next one cannot refer to it
+            return None
+        handoff.provide(session)
+    return session
 
 
 def retain_quietly(root: Path, keep_last: int | None, protect: Path) -> None:

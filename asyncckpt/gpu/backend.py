@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 
 from ..data_path import Backend
+from ..delta_encode import build_delta_writer
 from ..errors import CheckpointError
 from ..options import CheckpointOptions
+from .delta_store import DeviceReferenceStore
 from .deps import kvikio, nvcomp, require_cuda
 from .pipeline import DEFAULT_WINDOW_BYTES, GpuEncoder
 from .staging import GpuStager
@@ -42,7 +44,11 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         deregister=storage.deregister,
         fence_allowed=options.codec != "none",
     )
-    backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot)
+    encoder.delta = build_delta_writer(
+        options, lambda host_budget: DeviceReferenceStore(device, host_budget, options.gpu_staging_budget_bytes)
+    )
+    backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot,
+                      delta=encoder.delta)  # fmt: skip
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then
     log.info(
         "asyncckpt: GPU path on %s (%s): nvCOMP %s, KvikIO %s, %s I/O with %d threads, codec=%s, snapshot=%s",

@@ -24,6 +24,14 @@ The worker thread (:func:`asyncckpt.persist.write_part`) takes the blobs in tens
 :meth:`GpuEncoder.encode_snapshot`, checksums and writes them while the next group compresses.
 Tensors under :data:`MIN_COMPRESS_BYTES` are stored raw: nvCOMP's per-chunk overhead would
 outweigh what they save.
+
+Incremental saves (``delta="on"``/``"auto"``, :mod:`asyncckpt.delta_encode`): the compressor
+waits for the save's delta session (handed over by the worker once the previous save has
+committed), then for each tensor with a reference (:class:`~asyncckpt.gpu.delta_store.DeviceReferenceStore`)
+also encodes its delta (:func:`~asyncckpt.delta_ops.encode_delta`, both ops until one has won
+for that key) in the same batched call, keeps the smallest of every form, and once the group is
+resolved copies the tensor's bytes into the store on its stream (so in ``fence`` mode before the
+gate opens, and a group retried after running out of memory still finds its references intact).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import torch
 
 from ..alignment import align_up
 from ..codecs.base import EncodedBlob
+from ..delta_encode import DeltaSave, DeltaWriter
+from ..delta_ops import DELTA_OPS, encode_delta
 from ..errors import CheckpointError
 from ..snapshot import Snapshot, StagedTensor
 from . import batch, kernels
@@ -110,6 +120,8 @@ class _Option:
     pending: batch.PendingEncode
     first: int
     end: int
+    delta: str | None
+    """The delta op whose output this candidate encodes, None for the tensor's own bytes."""
 
 
 @dataclass
@@ -118,8 +130,11 @@ class _Work:
 
     items: list[tuple[int, StagedTensor]]
     raw: list[tuple[int, StagedTensor]]
-    pendings: list[tuple[list[int], list[tuple[int, int]], batch.PendingEncode]]
+    pendings: list[tuple[list[int], list[tuple[int, int]], batch.PendingEncode, str | None]]
     keep_alive: list[torch.Tensor]
+    sources: list[torch.Tensor] = field(default_factory=list)
+    """Each item's bytes on the device (what a delta save records as the next reference)."""
+    session: DeltaSave | None = None
 
 
 class GpuEncoder:
@@ -145,6 +160,8 @@ class GpuEncoder:
         self.stream = torch.cuda.Stream(device=device)
         self.history: deque[CompressStats] = deque(maxlen=256)
         """Stats of recent snapshots, newest last (for benchmarks and logs)."""
+        self.delta: DeltaWriter | None = None
+        """Incremental saves' writer (set by the backend when ``delta`` is on); None: full saves only."""
         self._copy_stream: torch.cuda.Stream | None = None
         """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -207,12 +224,14 @@ class GpuEncoder:
                 stats.tensors = len(snapshot.tensors)
                 if snapshot.host_part is not None:
                     snapshot.host_part.wait_ready()  # device-to-host staging copies have landed
+                session = snapshot.delta.wait() if self.delta is not None else None
                 groups = self._plan(snapshot.tensors, snapshot.plan.group_bytes)
                 if gate is not None:
-                    self._compress_fenced(snapshot, gate, groups, stats, began)
+                    self._compress_fenced(snapshot, gate, groups, stats, began, session)
                 else:
                     for group in groups:
-                        if channel.cancelled or not channel.put(*self._compress_stable(group, snapshot, stats)):
+                        compressed = self._compress_stable(group, snapshot, stats, session)
+                        if channel.cancelled or not channel.put(*compressed):
                             break
         except BaseException as exc:  # noqa: BLE001 - handed to the worker through the channel
             error = exc
@@ -232,7 +251,7 @@ class GpuEncoder:
 
     def _compress_fenced(
         self, snapshot: GpuSnapshot, gate: FenceGate, groups: list[list[tuple[int, StagedTensor]]],
-        stats: CompressStats, began: float,
+        stats: CompressStats, began: float, session: DeltaSave | None = None,
     ) -> None:  # fmt: skip
         """Stream a ``fence`` snapshot through bounded scratch. Compressor thread; the stream is current.
 
@@ -256,7 +275,7 @@ class GpuEncoder:
                 # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
                 # than a group is encoded alone, which is what the plan's scratch allows for.
                 while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
-                    encoding.append((todo[0], self._enqueue(todo[0])))
+                    encoding.append((todo[0], self._enqueue(todo[0], session)))
                     todo.popleft()
                 blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
                 encoding.popleft()
@@ -300,7 +319,7 @@ class GpuEncoder:
                 return
 
     def _compress_stable(self, group: list[tuple[int, StagedTensor]], snapshot: GpuSnapshot,
-                         stats: CompressStats) -> tuple[Group, int]:  # fmt: skip
+                         stats: CompressStats, session: DeltaSave | None = None) -> tuple[Group, int]:  # fmt: skip
         """Compress a group of staged bytes that stay put (arena or host copies): tensors over the
         plan's ``max_compress_bytes``, and the whole group if GPU memory runs short, are stored raw."""
         limit = snapshot.plan.max_compress_bytes
@@ -310,7 +329,7 @@ class GpuEncoder:
         nbytes = 0
         if rest:
             try:
-                blobs, nbytes, _packed = self._resolve(self._enqueue(rest), stats)
+                blobs, nbytes, _packed = self._resolve(self._enqueue(rest, session), stats)
             except torch.cuda.OutOfMemoryError:
                 note = f"GPU memory ran short: {len(rest)} tensors stored raw"
                 stats.notes.append(note)
@@ -427,9 +446,11 @@ class GpuEncoder:
         groups = plan_groups([staged.data.numel() for staged in tensors], group_bytes)
         return [[(at[i], tensors[i]) for i in group] for group in groups]
 
-    def _enqueue(self, group: list[tuple[int, StagedTensor]]) -> _Work:
-        """Queue every kernel of one group on the stream; no host wait. The stream is current."""
-        work = _Work(items=[], raw=[], pendings=[], keep_alive=[])
+    def _enqueue(self, group: list[tuple[int, StagedTensor]], session: DeltaSave | None = None) -> _Work:
+        """Queue every kernel of one group on the stream; no host wait. The stream is current.
+
+        With a delta ``session``, each tensor's delta forms are encoded beside its own bytes."""
+        work = _Work(items=[], raw=[], pendings=[], keep_alive=[], session=session)
         wanted = {}
         for index, staged in group:
             small = staged.data.numel() < MIN_COMPRESS_BYTES
@@ -440,13 +461,20 @@ class GpuEncoder:
             else:
                 work.raw.append((index, staged))
         on_device = self._on_device(work)
-        by_spec: dict[CodecSpec, list[int]] = {}
+        work.sources = on_device
+        forms: list[dict[str | None, torch.Tensor]] = [{None: t} for t in on_device]
+        if session is not None:
+            for position, (_index, staged) in enumerate(work.items):
+                forms[position].update(_delta_forms(session, staged, on_device[position]))
+                work.keep_alive.extend(forms[position].values())
+        by_spec: dict[tuple[CodecSpec, str | None], list[int]] = {}
         for position, specs in wanted.items():
             for spec in specs:
-                by_spec.setdefault(spec, []).append(position)
-        for spec, positions in by_spec.items():
+                for op in forms[position]:
+                    by_spec.setdefault((spec, op), []).append(position)
+        for (spec, op), positions in by_spec.items():
             chunk = batch.chunk_bytes_for(spec, self.chunk_bytes)
-            sources = [on_device[p] for p in positions]
+            sources = [forms[p][op] for p in positions]
             typestr = batch.typestr_for(spec)
             alignment = batch.required_alignment(spec, self.stream, chunk)
             wide = spec.planes > 1 and spec.planes_span == "tensor"
@@ -472,7 +500,7 @@ class GpuEncoder:
                 [t.numel() for t in sources], bases, chunk, spec.planes if wide else 1
             )
             pending = batch.encode(spec, span, chunk_offsets, raw_sizes, self.stream, chunk, keep)
-            work.pendings.append((positions, ranges, pending))
+            work.pendings.append((positions, ranges, pending, op))
         return work
 
     def _on_device(self, work: _Work) -> list[torch.Tensor]:
@@ -493,18 +521,22 @@ class GpuEncoder:
         """Wait for a group's encodes, keep the smallest output per tensor, pack it: (blobs, packed
         bytes, the packed buffer the compressed blobs are views of). The stream is current."""
         options: list[list[_Option]] = [[] for _ in work.items]
-        for positions, ranges, pending in work.pendings:
+        for positions, ranges, pending, op in work.pendings:
             sizes = pending.sizes()
             stats.gpu_seconds += pending.gpu_seconds()
             stats.encoded_bytes += sum(pending.raw_sizes)
             for position, (first, end) in zip(positions, ranges, strict=True):
-                options[position].append(_Option(sum(sizes[first:end]), pending.spec, pending, first, end))
-        chosen = []
+                options[position].append(_Option(sum(sizes[first:end]), pending.spec, pending, first, end, op))
+        chosen, settled = [], []
         for (_index, staged), candidates in zip(work.items, options, strict=True):
+            own = [o for o in candidates if o.delta is None]
             best = min(candidates, key=lambda o: o.stored)  # the first candidate wins a tie
-            if len(candidates) > 1:
-                self.chooser.chose(staged.key, staged.dtype, best.spec)
+            if best.delta is not None and best.stored >= staged.data.numel():
+                best = min(own, key=lambda o: o.stored)  # a delta must beat the raw bytes too
+            if len(own) > 1:
+                self.chooser.chose(staged.key, staged.dtype, min(own, key=lambda o: o.stored).spec)
                 stats.probed += 1
+            settled.append((staged.key, candidates, best))
             chosen.append(best)
         # Each blob starts 16-byte aligned in `packed` (the checksum kernel reads whole words);
         # its chunks follow back to back, exactly as they go to the file.
@@ -532,6 +564,7 @@ class GpuEncoder:
                         codec=option.spec.codec,
                         params=option.spec.params(),
                         chunks=list(zip(sizes[lo:hi], option.pending.raw_sizes[lo:hi], strict=True)),
+                        delta=option.delta,
                     ),
                 )
             )
@@ -541,7 +574,48 @@ class GpuEncoder:
         for index, staged in work.raw:
             blobs.append(_raw_blob(index, staged.data, stats))
         blobs.sort(key=lambda pair: pair[0])
+        if work.session is not None:  # resolved (no retry can follow): learn, and update the references
+            for key, candidates, best in settled:
+                _settle_delta(work.session, key, candidates, best)
+            _record_references(work.session, work.items, work.sources)
         return blobs, total, packed
+
+
+def _delta_forms(session: DeltaSave, staged: StagedTensor, source: torch.Tensor) -> dict[str | None, torch.Tensor]:
+    """The delta forms of ``source`` to encode beside it: none without a reference, else the op
+    that won for this key since the last full save, or both until one has. Queued on the current stream."""
+    writer = session.writer
+    if session.base is None or staged.key in writer.losers:
+        return {}
+    reference = writer.store.reference(staged.key, source.numel())
+    if reference is None:
+        return {}
+    chosen = writer.ops.get(staged.key)
+    return {op: encode_delta(source, reference, op, staged.dtype) for op in ((chosen,) if chosen else DELTA_OPS)}
+
+
+def _settle_delta(session: DeltaSave, key: str, candidates: list[_Option], best: _Option) -> None:
+    """Remember what this save learnt about ``key``: its full size, the op that won, whether its delta pays."""
+    writer = session.writer
+    own = [o.stored for o in candidates if o.delta is None]
+    if own:
+        writer.store.set_full_size(key, min(own))
+    deltas = [o for o in candidates if o.delta is not None]
+    if not deltas:
+        return
+    writer.ops[key] = str(min(deltas, key=lambda o: o.stored).delta)
+    if best.delta is not None:
+        session.deltas += 1
+    elif writer.mode == "auto":
+        writer.losers.add(key)  # not tried (nor kept) again until the next full save
+
+
+def _record_references(session: DeltaSave, items: list[tuple[int, StagedTensor]], sources: list[torch.Tensor]) -> None:
+    """Copy each tensor's bytes into the reference store, on the current stream (after the kernels
+    that read the old references). A key ``auto`` gave up on is dropped instead."""
+    writer = session.writer
+    for (_index, staged), source in zip(items, sources, strict=True):
+        writer.store.record(staged.key, source, keep=not (writer.mode == "auto" and staged.key in writer.losers))
 
 
 def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int, EncodedBlob]:

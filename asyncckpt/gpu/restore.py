@@ -12,17 +12,25 @@ before any read), checksums are verified before decoding, and every chunk must d
 exactly its recorded size. ``crc32`` blobs (written by the CPU path) are verified on the host,
 the only case where stored bytes cross to host memory.
 
+Delta checkpoints (format 4) restore through :func:`decode_chain_on_device`: the base's
+counterparts of the delta records first (recursively, as far as the chain goes), then this
+checkpoint's records, each delta undone in place on the device (:func:`~asyncckpt.delta_ops.decode_delta`);
+at most about twice the restored tensors' bytes are on the device at once, whatever the depth.
+
 Runs on the calling thread (plus KvikIO's pool and a decode stream).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .. import checksum
+from ..delta_chain import ChainReader
+from ..delta_ops import decode_delta
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..manifest import Manifest, TensorRecord
@@ -33,6 +41,33 @@ from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
 from .storage import DeviceBlobReader, configure_threads, open_device_reader
 
 DEFAULT_WINDOW_BYTES = 1 << 30
+
+
+def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.device | None,
+                           depth: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """Every tensor of ``manifest``, in table order, on its destination device, its deltas undone."""
+    deltas = [i for i, record in enumerate(manifest.tensors) if record.delta is not None]
+    if not deltas:
+        return decode_on_device(checkpoint, manifest, target)
+    records = manifest.tensors
+    with ChainReader(checkpoint, manifest, depth) as chain:
+        try:
+            base = chain.base()
+            needed = [chain.base_record(records[i]) for i in deltas]
+            bases = decode_chain_on_device(base.checkpoint, dataclasses.replace(base.manifest, tensors=needed), target,
+                                           depth + 1)  # fmt: skip
+        except CorruptCheckpointError as exc:
+            raise chain.base_error(records[deltas[0]], exc) from exc
+    out = decode_on_device(checkpoint, manifest, target)
+    for i, reference in zip(deltas, bases, strict=True):
+        record, tensor = records[i], out[i]
+        where = tensor_where(checkpoint, record)
+        dtype = dtype_from_name(record.dtype, where)
+        stored = tensor.reshape(-1).view(torch.uint8)
+        restored = decode_delta(stored, reference.reshape(-1).view(torch.uint8).to(stored.device), str(record.delta),
+                                dtype)  # fmt: skip
+        out[i] = restored.view(dtype).view(record.shape)
+    return out
 
 
 def decode_on_device(

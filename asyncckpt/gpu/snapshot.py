@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -92,6 +93,32 @@ class BlobChannel:
             self._cond.notify_all()
 
 
+class DeltaHandoff:
+    """This save's incremental session, handed from the worker to the compressor.
+
+    The worker begins a save's delta session (:meth:`~asyncckpt.delta_encode.DeltaWriter.begin`)
+    when it takes the save, that is after the previous save committed or failed; the compressor
+    waits for it before it reads a reference, so a delta is always against the last committed
+    save. ``None`` (no delta for this save) is handed over when the save ends without one.
+    """
+
+    def __init__(self) -> None:
+        self._given = threading.Event()
+        self._session: Any = None
+        """A :class:`~asyncckpt.delta_encode.DeltaSave` (not imported: the codecs it imports reach this module)."""
+
+    def provide(self, session: Any) -> None:
+        """Worker thread (or release()); the first call wins."""
+        if not self._given.is_set():
+            self._session = session
+            self._given.set()
+
+    def wait(self) -> Any:
+        """Compressor thread: blocks until the worker has provided the session."""
+        self._given.wait()
+        return self._session
+
+
 class GpuSnapshot:
     """A snapshot whose CUDA tensors sit in the device arena (``device``), stay live (``fence``)
     or were copied to pinned memory (``host``); CPU tensors are always in host staging.
@@ -123,6 +150,8 @@ class GpuSnapshot:
         self.gate: FenceGate | None = None
         self.copy_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.on_release: Callable[[], None] | None = None
+        self.delta = DeltaHandoff()
+        """The incremental session of this save (used when the encoder has a delta writer)."""
         self.sources_final = threading.Event()
         """Set once ``sources`` changes no more: at once, except in fence mode (the compressor sets it)."""
         if self.mode != "fence":
@@ -177,6 +206,7 @@ class GpuSnapshot:
         if self._released:
             return
         self._released = True
+        self.delta.provide(None)  # a compressor waiting for a session that never came goes on
         self.channel.cancel()
         self.channel.finished.wait()
         if self.gate is not None:

@@ -1,0 +1,311 @@
+"""Incremental checkpoints: what a delta against the previous checkpoint stores, and what it costs.
+
+Trains the demo model family (TinyGPT, fused AdamW on a GPU, text from the standard library) and
+measures two things in one run.
+
+**Ratios** (``--intervals``, default 10,100,1000 steps): after ``--warmup`` steps the state is
+kept as the reference; at each interval after it, every tensor of each class (FP32 weights, the
+same weights as BF16, Adam's exp_avg and exp_avg_sq) is encoded by the library's ``auto`` encoder
+in full, as an XOR delta and as a zigzag integer difference (:mod:`asyncckpt.delta_ops`). Per
+class it reports the ratio of each, the ratio when each tensor keeps its smallest form (what the
+delta mode stores), the order-0 entropy bound of the delta's byte planes (the ceiling for a coder
+that codes each plane's bytes on their own), and the delta path's throughput (transform + encode,
+raw bytes per second, device synchronised). ``--precisions autocast,fp32`` runs both a BF16-autocast
+and an FP32 training loop (autocast only exists on the GPU here).
+
+**Checkpoints**: the same training run saved ``--chain`` times ``--save-every`` steps apart by two
+checkpointers side by side, ``delta="off"`` and ``delta="on"`` (``delta_full_every`` = ``--chain``,
+so the last save is the deepest of its chain); per save the stored bytes and seconds until
+durable; then the restore time of the deepest delta checkpoint against the full checkpoint of
+the same step, both checked bit for bit against the state saved.
+
+    python -m benchmarks.delta --tiny                  # CPU smoke test (CI)
+    python -m benchmarks.delta --out benchmarks/results  # on the H200: 1B parameters
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asyncckpt
+from asyncckpt.delta_ops import DELTA_OPS, encode_delta
+from asyncckpt.state_compare import clone_state, first_difference
+
+from .common import (
+    BarProgress,
+    Progress,
+    Workload,
+    WorkloadConfig,
+    describe_machine,
+    fmt_rate,
+    fmt_seconds,
+    result_name,
+    synchronize,
+    versions,
+    write_json,
+)
+from .compression import library_encoders, plane_entropy
+
+CLASSES = ("weights", "weights_bf16", "exp_avg", "exp_avg_sq")
+"""Tensor classes measured; the whole state is FP32 weights + both moments (what a checkpoint holds)."""
+WHOLE_STATE = ("weights", "exp_avg", "exp_avg_sq")
+ENTROPY_SAMPLE_BYTES = 256 << 20
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.delta", description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="2560x13", help="WIDTHxLAYERS (default 2560x13: 1.0B parameters)")
+    p.add_argument("--warmup", type=int, default=200, help="training steps before the reference state")
+    p.add_argument("--intervals", default="10,100,1000", help="steps after the reference, ascending")
+    p.add_argument("--precisions", default="autocast,fp32", help="training loops: autocast (BF16) and/or fp32")
+    p.add_argument("--chain", type=int, default=3, help="checkpoints in the measured chain (delta_full_every)")
+    p.add_argument("--save-every", type=int, default=100, help="training steps between the chain's saves")
+    p.add_argument("--scratch", type=Path, default=Path(".bench-scratch/delta"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--tiny", action="store_true", help="CPU-sized smoke test")
+    return p.parse_args(argv)
+
+
+def class_tensors(work: Workload) -> dict[str, list[torch.Tensor]]:
+    """The measured classes, each a list of tensors (the BF16 weights are a cast copy)."""
+    found = work.tensor_classes()
+    weights = found["weights"]
+    return {"weights": weights, "weights_bf16": [w.to(torch.bfloat16) for w in weights],
+            "exp_avg": found["exp_avg"], "exp_avg_sq": found["exp_avg_sq"]}  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def measure_interval(encoder: Any, reference: dict[str, list[torch.Tensor]], current: dict[str, list[torch.Tensor]],
+                     device: torch.device) -> dict[str, Any]:  # fmt: skip
+    """Per class: raw bytes, stored bytes in full / per delta op / best per tensor, the entropy bound
+    of the best op's delta planes, and the delta path's throughput."""
+    out: dict[str, Any] = {}
+    for cls in CLASSES:
+        raw_total, stored = 0, {"full": 0, **{op: 0 for op in DELTA_OPS}, "best": 0}
+        delta_seconds = {op: 0.0 for op in DELTA_OPS}
+        samples: dict[str, list[torch.Tensor]] = {op: [] for op in DELTA_OPS}
+        sampled = 0
+        for i, (old, new) in enumerate(zip(reference[cls], current[cls], strict=True)):
+            raw, ref, dtype = _bytes(new), _bytes(old), new.dtype
+            raw_total += raw.numel()
+            sizes = {"full": encoder.encode(raw, dtype, f"{cls}/{i}/full").stored_bytes}
+            for op in DELTA_OPS:
+                synchronize(device)
+                began = time.perf_counter()
+                delta = encode_delta(raw, ref, op, dtype)
+                sizes[op] = encoder.encode(delta, dtype, f"{cls}/{i}/{op}").stored_bytes
+                synchronize(device)
+                delta_seconds[op] += time.perf_counter() - began
+                if sampled < ENTROPY_SAMPLE_BYTES:
+                    samples[op].append(delta[: ENTROPY_SAMPLE_BYTES - sampled].clone())
+            sampled += min(raw.numel(), max(0, ENTROPY_SAMPLE_BYTES - sampled))
+            for name, size in sizes.items():
+                stored[name] += size
+            stored["best"] += min(sizes.values())
+        planes = current[cls][0].element_size()
+        bounds = {op: plane_entropy(torch.cat(s), planes)["bound_ratio_planes"] for op, s in samples.items() if s}
+        out[cls] = {
+            "raw_bytes": raw_total,
+            "stored_bytes": stored,
+            "ratio": {name: raw_total / max(1, size) for name, size in stored.items()},
+            "entropy_bound_ratio": bounds,
+            "delta_bytes_per_second": {op: raw_total / s if s else None for op, s in delta_seconds.items()},
+        }
+    raw = sum(out[c]["raw_bytes"] for c in WHOLE_STATE)
+    out["whole_state"] = {
+        "raw_bytes": raw,
+        "ratio": {
+            name: raw / max(1, sum(out[c]["stored_bytes"][name] for c in WHOLE_STATE))
+            for name in out["weights"]["stored_bytes"]
+        },
+    }
+    return out
+
+
+def run_ratios(args: argparse.Namespace, config: WorkloadConfig, precision: str, progress: Progress) -> dict[str, Any]:
+    work = Workload(config)
+    work.autocast = work.autocast and precision == "autocast"
+    device = work.device
+    progress.say(f"ratios, {precision}: {work.parameters / 1e9:.2f}B parameters, {args.warmup} warm-up steps")
+    work.train(args.warmup)
+    reference = {cls: [t.detach().clone() for t in ts] for cls, ts in class_tensors(work).items()}
+    (encoder,) = [
+        b.encoder for name, b in library_encoders(device).items() if name == "auto" and not isinstance(b, str)
+    ]
+    result: dict[str, Any] = {"precision": precision, "parameters": work.parameters, "intervals": {}}
+    done = 0
+    for interval in (int(x) for x in args.intervals.split(",")):
+        work.train(interval - done)
+        done = interval
+        measured = measure_interval(encoder, reference, class_tensors(work), device)
+        result["intervals"][str(interval)] = measured
+        whole = measured["whole_state"]["ratio"]
+        progress.say(
+            f"{precision}, interval {interval}: whole state full {whole['full']:.3f}x, "
+            + ", ".join(f"{op} {whole[op]:.3f}x" for op in DELTA_OPS)
+            + f", best {whole['best']:.3f}x"
+        )
+        if isinstance(progress, BarProgress):
+            progress.advance()
+    result["final_loss"] = work.last_loss
+    del work, reference
+    return result
+
+
+def _saved(checkpointer: asyncckpt.AsyncCheckpointer, step: int, state: dict[str, Any]) -> dict[str, Any]:
+    began = time.perf_counter()
+    result = checkpointer.save(step, state).result()
+    return {"step": step, "durable_seconds": time.perf_counter() - began, "stored_bytes": result.stored_bytes,
+            "raw_bytes": result.raw_bytes}  # fmt: skip
+
+
+def _timed_load(directory: Path, step: int, device: torch.device) -> tuple[Any, float]:
+    synchronize(device)
+    began = time.perf_counter()
+    loaded = asyncckpt.load(directory, step=step, map_location=device)
+    synchronize(device)
+    return loaded, time.perf_counter() - began
+
+
+def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progress) -> dict[str, Any]:
+    work = Workload(config)
+    device = work.device
+    work.train(args.warmup)
+    dirs = {mode: args.scratch / f"delta-{mode}" for mode in ("off", "on")}
+    for d in dirs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, delta=mode, delta_full_every=args.chain, keep_last=1 if mode == "off"
+                                               else None) for mode, d in dirs.items()}  # fmt: skip
+    saves: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    state: dict[str, Any] = {}
+    try:
+        for _ in range(args.chain):
+            work.train(args.save_every)
+            state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
+            for mode, ckpt in ckpts.items():
+                saves[mode].append(_saved(ckpt, work.steps_done, state))
+            on, off = saves["on"][-1], saves["off"][-1]
+            progress.say(
+                f"save at step {work.steps_done}: delta off {off['raw_bytes'] / off['stored_bytes']:.3f}x "
+                f"durable {fmt_seconds(off['durable_seconds'])}; on "
+                f"{on['raw_bytes'] / on['stored_bytes']:.3f}x durable {fmt_seconds(on['durable_seconds'])}"
+            )
+            if isinstance(progress, BarProgress):
+                progress.advance()
+        expected = clone_state(state)
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+    del work, state
+    step = saves["on"][-1]["step"]
+    restores: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        loaded, seconds = _timed_load(dirs[mode], step, device)
+        restores[mode] = {"seconds": seconds, "bit_exact": first_difference(expected, loaded) is None}
+        del loaded
+        progress.say(
+            f"restore step {step}, delta {mode}: {fmt_seconds(seconds)}, bit-exact {restores[mode]['bit_exact']}"
+        )
+    for d in dirs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    return {"saves": saves, "restores": restores, "chain": args.chain, "save_every": args.save_every}
+
+
+def _ratio_cell(entry: dict[str, Any], name: str) -> str:
+    value = entry["ratio"].get(name)
+    return "-" if value is None or math.isinf(value) else f"{value:.3f}x"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["# Incremental (delta) checkpoints", "",
+             f"{report['when']}, {report['machine'].get('gpu') or 'CPU'}; {report['versions_line']}. "
+             f"Command: `{report['command']}`.", ""]  # fmt: skip
+    for run in report["ratios"]:
+        lines += [f"## Ratios, {run['precision']} training, {run['parameters'] / 1e9:.2f}B parameters "
+                  "(library `auto` on each form; best = each tensor keeps its smallest form)", "",
+                  "| interval | class | full | xor | sub | best | entropy bound xor / sub | delta path (sub) |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for interval, measured in run["intervals"].items():
+            for cls in (*CLASSES, "whole_state"):
+                e = measured[cls]
+                bounds = e.get("entropy_bound_ratio", {})
+                bound = " / ".join(f"{bounds[op]:.3f}x" for op in DELTA_OPS if op in bounds) or "-"
+                rate = e.get("delta_bytes_per_second", {}).get("sub")
+                lines.append(f"| {interval} | {cls} | {_ratio_cell(e, 'full')} | {_ratio_cell(e, 'xor')} "
+                             f"| {_ratio_cell(e, 'sub')} | {_ratio_cell(e, 'best')} | {bound} "
+                             f"| {fmt_rate(rate) if rate else '-'} |")  # fmt: skip
+        lines.append("")
+    chain = report.get("chain")
+    if chain:
+        lines += [
+            f"## Checkpoints: a chain of {chain['chain']} saves, {chain['save_every']} steps apart",
+            "",
+            "| save | step | delta off: ratio, durable | delta on: ratio, durable |",
+            "|---|---|---|---|",
+        ]
+        for i, (off, on) in enumerate(zip(chain["saves"]["off"], chain["saves"]["on"], strict=True), 1):
+            lines.append(f"| {i} | {on['step']} | {off['raw_bytes'] / off['stored_bytes']:.3f}x, "
+                         f"{fmt_seconds(off['durable_seconds'])} | {on['raw_bytes'] / on['stored_bytes']:.3f}x, "
+                         f"{fmt_seconds(on['durable_seconds'])} |")  # fmt: skip
+        r = chain["restores"]
+        lines += [
+            "",
+            f"Restore of the deepest checkpoint: delta on {fmt_seconds(r['on']['seconds'])} "
+            f"(bit-exact: {r['on']['bit_exact']}) vs full {fmt_seconds(r['off']['seconds'])} "
+            f"(bit-exact: {r['off']['bit_exact']}), {r['on']['seconds'] / r['off']['seconds']:.2f}x.",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.tiny:
+        args.size, args.warmup, args.intervals, args.chain, args.save_every = "64x2", 5, "2,5", 3, 2
+    width, layers = (int(x) for x in args.size.split("x"))
+    config = WorkloadConfig(width=width, layers=layers, context=32 if args.tiny else 128, batch=2 if args.tiny else 8)
+    progress = BarProgress()
+    machine = describe_machine(args.scratch)
+    v = versions()
+    precisions = [p for p in args.precisions.split(",") if p]
+    report: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()), "machine": machine, "versions": v,
+        "versions_line": ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "command": "python -m benchmarks.delta " + " ".join(sys.argv[1:] if argv is None else argv),
+        "ratios": [], "chain": None,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    name = result_name("delta", machine, args.tiny)
+
+    def write() -> None:  # after every part: a time limit keeps what ran
+        write_json(args.out / f"{name}.json", report)
+        (args.out / f"{name}.md").write_text(markdown(report))
+
+    steps: list[Callable[[], None]] = [
+        *(lambda p=p: report["ratios"].append(run_ratios(args, config, p, progress)) for p in precisions),
+        lambda: report.__setitem__("chain", run_chain(args, config, progress)),
+    ]
+    progress.start_bar("intervals and saves", len(precisions) * len(args.intervals.split(",")) + args.chain, "steps")
+    for run in steps:
+        run()
+        write()
+    progress.close_bar()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
