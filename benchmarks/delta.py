@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +47,10 @@ from .common import (
     Workload,
     WorkloadConfig,
     describe_machine,
+    fmt_bytes,
     fmt_rate,
     fmt_seconds,
+    path_bytes,
     result_name,
     synchronize,
     versions,
@@ -164,13 +167,6 @@ def run_ratios(args: argparse.Namespace, config: WorkloadConfig, precision: str,
     return result
 
 
-def _saved(checkpointer: asyncckpt.AsyncCheckpointer, step: int, state: dict[str, Any]) -> dict[str, Any]:
-    began = time.perf_counter()
-    result = checkpointer.save(step, state).result()
-    return {"step": step, "durable_seconds": time.perf_counter() - began, "stored_bytes": result.stored_bytes,
-            "raw_bytes": result.raw_bytes}  # fmt: skip
-
-
 def _timed_load(directory: Path, step: int, device: torch.device) -> tuple[Any, float]:
     synchronize(device)
     began = time.perf_counter()
@@ -179,48 +175,68 @@ def _timed_load(directory: Path, step: int, device: torch.device) -> tuple[Any, 
     return loaded, time.perf_counter() - began
 
 
+def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, baseline: float) -> dict[str, Any]:
+    """One save while training goes on: what it stored, when it was durable, and the training time
+    it cost (the call plus each step's time over the baseline until the checkpoint was durable)."""
+    state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
+    synchronize(work.device)
+    began = time.perf_counter()
+    handle = ckpt.save(work.steps_done, state)
+    call = time.perf_counter() - began
+    steps = []
+    while not handle.done():
+        steps.append(work.step())
+    result = handle.result()
+    return {"step": result.step, "durable_seconds": time.perf_counter() - began, "call_seconds": call,
+            "lost_seconds": call + sum(max(0.0, s - baseline) for s in steps), "steps_while_persisting": len(steps),
+            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes}  # fmt: skip
+
+
 def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progress) -> dict[str, Any]:
+    """``--chain`` saves per mode while training runs, then the deepest checkpoint's restore."""
     work = Workload(config)
     device = work.device
     work.train(args.warmup)
+    baseline = statistics.median(work.step() for _ in range(10))
     dirs = {mode: args.scratch / f"delta-{mode}" for mode in ("off", "on")}
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     ckpts = {mode: asyncckpt.AsyncCheckpointer(d, delta=mode, delta_full_every=args.chain, keep_last=1 if mode == "off"
                                                else None) for mode, d in dirs.items()}  # fmt: skip
     saves: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    state: dict[str, Any] = {}
+    expected: dict[str, Any] = {}
     try:
-        for _ in range(args.chain):
+        for i in range(args.chain):
             work.train(args.save_every)
-            state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
             for mode, ckpt in ckpts.items():
-                saves[mode].append(_saved(ckpt, work.steps_done, state))
+                if i == args.chain - 1:  # the deepest checkpoint: kept to check its restore
+                    expected[mode] = clone_state({"model": work.model.state_dict(),
+                                                  "optim": work.optimizer.state_dict()})  # fmt: skip
+                saves[mode].append(_save_while_training(ckpt, work, baseline))
             on, off = saves["on"][-1], saves["off"][-1]
-            progress.say(
-                f"save at step {work.steps_done}: delta off {off['raw_bytes'] / off['stored_bytes']:.3f}x "
-                f"durable {fmt_seconds(off['durable_seconds'])}; on "
-                f"{on['raw_bytes'] / on['stored_bytes']:.3f}x durable {fmt_seconds(on['durable_seconds'])}"
-            )
+            progress.say(f"save {i + 1}: delta off {off['raw_bytes'] / off['stored_bytes']:.3f}x, lost "
+                         f"{fmt_seconds(off['lost_seconds'])}, durable {fmt_seconds(off['durable_seconds'])}; on "
+                         f"{on['raw_bytes'] / on['stored_bytes']:.3f}x, lost {fmt_seconds(on['lost_seconds'])}, "
+                         f"durable {fmt_seconds(on['durable_seconds'])}")  # fmt: skip
             if isinstance(progress, BarProgress):
                 progress.advance()
-        expected = clone_state(state)
     finally:
         for ckpt in ckpts.values():
             ckpt.close()
-    del work, state
-    step = saves["on"][-1]["step"]
+    del work
     restores: dict[str, Any] = {}
     for mode in ("off", "on"):
+        step = saves[mode][-1]["step"]
         loaded, seconds = _timed_load(dirs[mode], step, device)
-        restores[mode] = {"seconds": seconds, "bit_exact": first_difference(expected, loaded) is None}
+        exact = first_difference(expected[mode], loaded) is None
+        restores[mode] = {"step": step, "seconds": seconds, "bit_exact": exact}
         del loaded
-        progress.say(
-            f"restore step {step}, delta {mode}: {fmt_seconds(seconds)}, bit-exact {restores[mode]['bit_exact']}"
-        )
+        progress.say(f"restore step {step}, delta {mode}: {fmt_seconds(seconds)}, bit-exact {exact}")
+    read = {mode: sum(path_bytes(p) for p in dirs[mode].glob("step-*")) for mode in ("off", "on")}
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
-    return {"saves": saves, "restores": restores, "chain": args.chain, "save_every": args.save_every}
+    return {"saves": saves, "restores": restores, "chain": args.chain, "save_every": args.save_every,
+            "baseline_step_seconds": baseline, "bytes_on_disk": read}  # fmt: skip
 
 
 def _ratio_cell(entry: dict[str, Any], name: str) -> str:
@@ -249,25 +265,34 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     chain = report.get("chain")
     if chain:
-        lines += [
-            f"## Checkpoints: a chain of {chain['chain']} saves, {chain['save_every']} steps apart",
-            "",
-            "| save | step | delta off: ratio, durable | delta on: ratio, durable |",
-            "|---|---|---|---|",
-        ]
-        for i, (off, on) in enumerate(zip(chain["saves"]["off"], chain["saves"]["on"], strict=True), 1):
-            lines.append(f"| {i} | {on['step']} | {off['raw_bytes'] / off['stored_bytes']:.3f}x, "
-                         f"{fmt_seconds(off['durable_seconds'])} | {on['raw_bytes'] / on['stored_bytes']:.3f}x, "
-                         f"{fmt_seconds(on['durable_seconds'])} |")  # fmt: skip
-        r = chain["restores"]
-        lines += [
-            "",
-            f"Restore of the deepest checkpoint: delta on {fmt_seconds(r['on']['seconds'])} "
-            f"(bit-exact: {r['on']['bit_exact']}) vs full {fmt_seconds(r['off']['seconds'])} "
-            f"(bit-exact: {r['off']['bit_exact']}), {r['on']['seconds'] / r['off']['seconds']:.2f}x.",
-            "",
-        ]
+        lines += _chain_lines(chain)
     return "\n".join(lines) + "\n"
+
+
+def _chain_lines(chain: dict[str, Any]) -> list[str]:
+    def cell(row: dict[str, Any]) -> str:
+        ratio = row["raw_bytes"] / row["stored_bytes"]
+        return f"{ratio:.3f}x, {fmt_seconds(row.get('lost_seconds'))}, {fmt_seconds(row['durable_seconds'])}"
+
+    lines = [
+        f"## Checkpoints while training: a chain of {chain['chain']} saves, {chain['save_every']} steps apart "
+        f"(baseline step {fmt_seconds(chain.get('baseline_step_seconds'))})",
+        "",
+        "| save | delta off: ratio, training time lost, durable | delta on: ratio, training time lost, durable |",
+        "|---|---|---|",
+    ]
+    for i, (off, on) in enumerate(zip(chain["saves"]["off"], chain["saves"]["on"], strict=True), 1):
+        lines.append(f"| {i} | {cell(off)} | {cell(on)} |")
+    r, on_disk = chain["restores"], chain.get("bytes_on_disk", {})
+    lines += [
+        "",
+        f"Restore of the deepest checkpoint: delta on {fmt_seconds(r['on']['seconds'])} (bit-exact: "
+        f"{r['on']['bit_exact']}; the chain holds {fmt_bytes(on_disk.get('on'))}) vs full "
+        f"{fmt_seconds(r['off']['seconds'])} (bit-exact: {r['off']['bit_exact']}; {fmt_bytes(on_disk.get('off'))}), "
+        f"{r['on']['seconds'] / r['off']['seconds']:.2f}x.",
+        "",
+    ]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -258,3 +258,24 @@ def test_full_gpu_tiny(tmp_path: Path) -> None:
     assert report_path.with_suffix(".png").stat().st_size > 0
     assert "training time lost" in proc.stdout
     assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"
+
+
+def test_delta_tiny(tmp_path: Path) -> None:
+    """The delta benchmark end to end at CPU size: ratios per class and interval, a chain saved with
+    and without deltas while training runs, and the deepest checkpoint restored bit for bit."""
+    proc = run_module("-m", "benchmarks.delta", "--tiny", "--precisions", "fp32", "--out", str(tmp_path),
+                      "--scratch", str(tmp_path / "s"))  # fmt: skip
+    (report_path,) = tmp_path.glob("delta-*.json")
+    data = json.loads(report_path.read_text())
+    (run,) = data["ratios"]
+    for measured in run["intervals"].values():
+        whole = measured["whole_state"]["ratio"]
+        assert whole["best"] >= max(whole["full"], whole["xor"], whole["sub"]) - 1e-9  # per tensor, the smallest
+        assert whole["sub"] > whole["full"], "a few steps of drift: the delta must beat the full state"
+    chain = data["chain"]
+    on, off = chain["saves"]["on"], chain["saves"]["off"]
+    assert on[0]["stored_bytes"] >= 0.9 * off[0]["stored_bytes"]  # the first save of a chain is full
+    assert on[-1]["stored_bytes"] < off[-1]["stored_bytes"]
+    assert chain["restores"]["on"]["bit_exact"] and chain["restores"]["off"]["bit_exact"]
+    assert "Restore of the deepest checkpoint" in proc.stdout
+    assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"

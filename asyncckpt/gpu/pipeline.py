@@ -120,7 +120,7 @@ class _Option:
     pending: batch.PendingEncode
     first: int
     end: int
-    delta: str | None
+    delta: str | None = None
     """The delta op whose output this candidate encodes, None for the tensor's own bytes."""
 
 
@@ -463,14 +463,18 @@ class GpuEncoder:
         on_device = self._on_device(work)
         work.sources = on_device
         forms: list[dict[str | None, torch.Tensor]] = [{None: t} for t in on_device]
+        form_specs: dict[int, tuple[CodecSpec, ...]] = {}
         if session is not None:
             for position, (_index, staged) in enumerate(work.items):
-                forms[position].update(_delta_forms(session, staged, on_device[position]))
-                work.keep_alive.extend(forms[position].values())
+                deltas = _delta_forms(session, staged, on_device[position])
+                if deltas:  # delta bytes get their own codec choice (their planes differ from the tensor's)
+                    forms[position].update(deltas)
+                    work.keep_alive.extend(deltas.values())
+                    form_specs[position] = self.chooser.specs_for(_delta_key(staged.key), staged.dtype)
         by_spec: dict[tuple[CodecSpec, str | None], list[int]] = {}
         for position, specs in wanted.items():
-            for spec in specs:
-                for op in forms[position]:
+            for op in forms[position]:
+                for spec in specs if op is None else form_specs[position]:
                     by_spec.setdefault((spec, op), []).append(position)
         for (spec, op), positions in by_spec.items():
             chunk = batch.chunk_bytes_for(spec, self.chunk_bytes)
@@ -536,6 +540,9 @@ class GpuEncoder:
             if len(own) > 1:
                 self.chooser.chose(staged.key, staged.dtype, min(own, key=lambda o: o.stored).spec)
                 stats.probed += 1
+            deltas = [o for o in candidates if o.delta is not None]
+            if len({o.spec for o in deltas}) > 1:
+                self.chooser.chose(_delta_key(staged.key), staged.dtype, min(deltas, key=lambda o: o.stored).spec)
             settled.append((staged.key, candidates, best))
             chosen.append(best)
         # Each blob starts 16-byte aligned in `packed` (the checksum kernel reads whole words);
@@ -579,6 +586,12 @@ class GpuEncoder:
                 _settle_delta(work.session, key, candidates, best)
             _record_references(work.session, work.items, work.sources)
         return blobs, total, packed
+
+
+def _delta_key(key: str) -> str:
+    """The name ``auto`` remembers a tensor's delta codec under (a user key that happens to equal it
+    only shares which codec is tried first, never what is stored)."""
+    return f"{key}\0delta"
 
 
 def _delta_forms(session: DeltaSave, staged: StagedTensor, source: torch.Tensor) -> dict[str | None, torch.Tensor]:

@@ -12,10 +12,12 @@ before any read), checksums are verified before decoding, and every chunk must d
 exactly its recorded size. ``crc32`` blobs (written by the CPU path) are verified on the host,
 the only case where stored bytes cross to host memory.
 
-Delta checkpoints (format 4) restore through :func:`decode_chain_on_device`: the base's
-counterparts of the delta records first (recursively, as far as the chain goes), then this
-checkpoint's records, each delta undone in place on the device (:func:`~asyncckpt.delta_ops.decode_delta`);
-at most about twice the restored tensors' bytes are on the device at once, whatever the depth.
+Delta checkpoints (format 4) restore through :func:`decode_chain_on_device`: this checkpoint's
+records and the base's counterparts of its delta records (recursively, as far as the chain
+goes), then each delta undone in place on the device (:func:`~asyncckpt.delta_ops.decode_delta`).
+The levels of a chain are read and decoded concurrently, one thread each, while the GPU has room
+for all of them (a restore is bound by reading, and one file's reads leave the storage idle
+between windows); otherwise one after another, holding about twice the restored bytes at most.
 
 Runs on the calling thread (plus KvikIO's pool and a decode stream).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -41,6 +44,9 @@ from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
 from .storage import DeviceBlobReader, configure_threads, open_device_reader
 
 DEFAULT_WINDOW_BYTES = 1 << 30
+CONCURRENT_LEVELS_HEADROOM = 4
+"""A chain's levels are decoded concurrently when the free GPU memory exceeds this many times a
+level's raw bytes (a chain of ``delta_full_every`` = 4 levels, the default, with a level to spare)."""
 
 
 def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.device | None,
@@ -50,15 +56,18 @@ def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.d
     if not deltas:
         return decode_on_device(checkpoint, manifest, target)
     records = manifest.tensors
-    with ChainReader(checkpoint, manifest, depth) as chain:
+    with ChainReader(checkpoint, manifest, depth) as chain, ThreadPoolExecutor(1, "asyncckpt-restore") as pool:
         try:
             base = chain.base()
-            needed = [chain.base_record(records[i]) for i in deltas]
-            bases = decode_chain_on_device(base.checkpoint, dataclasses.replace(base.manifest, tensors=needed), target,
-                                           depth + 1)  # fmt: skip
+            needed = dataclasses.replace(base.manifest, tensors=[chain.base_record(records[i]) for i in deltas])
         except CorruptCheckpointError as exc:
             raise chain.base_error(records[deltas[0]], exc) from exc
-    out = decode_on_device(checkpoint, manifest, target)
+        own = pool.submit(decode_on_device, checkpoint, manifest, target) if _room_for_levels(manifest) else None
+        try:
+            bases = decode_chain_on_device(base.checkpoint, needed, target, depth + 1)
+        except CorruptCheckpointError as exc:
+            raise chain.base_error(records[deltas[0]], exc) from exc
+        out = own.result() if own is not None else decode_on_device(checkpoint, manifest, target)
     for i, reference in zip(deltas, bases, strict=True):
         record, tensor = records[i], out[i]
         where = tensor_where(checkpoint, record)
@@ -68,6 +77,12 @@ def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.d
                                 dtype)  # fmt: skip
         out[i] = restored.view(dtype).view(record.shape)
     return out
+
+
+def _room_for_levels(manifest: Manifest) -> bool:
+    """Whether the GPU has room to decode this level while its bases decode (see the module docstring)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return torch.cuda.mem_get_info(device)[0] > CONCURRENT_LEVELS_HEADROOM * manifest.raw_bytes
 
 
 def decode_on_device(
