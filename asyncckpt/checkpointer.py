@@ -76,6 +76,8 @@ class AsyncCheckpointer:
         self._slots = threading.BoundedSemaphore(self.options.max_inflight)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._queue_order = threading.Lock()
+        """Held from staging a save to queueing its job (see _stage_and_queue)."""
         # Notified when a save() leaves; close() waits on it for saves already past their checks.
         self._left = threading.Condition(self._lock)
         self._entered = 0
@@ -156,32 +158,36 @@ class AsyncCheckpointer:
                 return handle
         else:
             self._slots.acquire()
-        try:
-            self._raise_unreported()  # a save that failed while we waited for its slot
-            began = time.perf_counter()
-            snapshot = self._backend.stager.stage(flat)
-            staged_at = time.perf_counter()
-        except BaseException:
-            self._slots.release()
-            raise
-        stall = staged_at - started
-        handle = SaveHandle(step)
-        when_staged = getattr(snapshot, "when_staged", None)  # a GPU fence is staged once the GPU has read it
-        if when_staged is None:
-            handle._set_staged(stall)
-        else:
-            handle.stall_seconds = stall
-            when_staged(lambda: handle._set_staged(stall))
-        job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
-                      created_unix=time.time(), started=started, stall_seconds=stall,
-                      snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode,
-                      snapshot_reason=self._backend.snapshot_reason, full=full)  # fmt: skip
-        with self._lock:
-            self._inflight[step] = handle
-            inflight = len(self._inflight)
-        # Report before queueing, so this save's staged event always precedes its finished/failed one.
-        self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
-        self._jobs.put((job, handle))  # before _leave(): close() queues its stop only after this
+        # Staging hands a GPU snapshot to the compressor, which takes snapshots in that order; the
+        # worker must take the jobs in the same order (a delta save's compressor waits for the
+        # worker), so concurrent save() calls stage and queue one at a time.
+        with self._queue_order:
+            try:
+                self._raise_unreported()  # a save that failed while we waited for its slot
+                began = time.perf_counter()
+                snapshot = self._backend.stager.stage(flat)
+                staged_at = time.perf_counter()
+            except BaseException:
+                self._slots.release()
+                raise
+            stall = staged_at - started
+            handle = SaveHandle(step)
+            when_staged = getattr(snapshot, "when_staged", None)  # a GPU fence is staged once the GPU has read it
+            if when_staged is None:
+                handle._set_staged(stall)
+            else:
+                handle.stall_seconds = stall
+                when_staged(lambda: handle._set_staged(stall))
+            job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
+                          created_unix=time.time(), started=started, stall_seconds=stall,
+                          snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode,
+                          snapshot_reason=self._backend.snapshot_reason, full=full)  # fmt: skip
+            with self._lock:
+                self._inflight[step] = handle
+                inflight = len(self._inflight)
+            # Report before queueing, so this save's staged event always precedes its finished/failed one.
+            self._observer.save_staged(stall, snapshot.staging_bytes, inflight)
+            self._jobs.put((job, handle))  # before _leave(): close() queues its stop only after this
         return handle
 
     def preallocate(self, state: object) -> threading.Thread:

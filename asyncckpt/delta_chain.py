@@ -101,10 +101,12 @@ class ChainReader:
             except OSError as exc:
                 raise CorruptCheckpointError(f"{path}: cannot open the data file: {exc}") from exc
             self._stack.callback(self._readers[record.file].close)
-        out = read_record_raw(self._readers[record.file], record, where)
         if record.delta is None:
-            return out
-        return decode_delta(out, self.base_raw(record), record.delta, dtype_from_name(record.dtype, where))
+            return read_record_raw(self._readers[record.file], record, where)
+        # The base first: each level then holds its base's bytes and its own, never a whole chain's.
+        reference = self.base_raw(record)
+        out = read_record_raw(self._readers[record.file], record, where)
+        return decode_delta(out, reference, record.delta, dtype_from_name(record.dtype, where))
 
     def base_raw(self, record: TensorRecord) -> torch.Tensor:
         """The bytes of ``record``'s counterpart in the base checkpoint, its own deltas undone."""

@@ -17,13 +17,16 @@ Policy (``delta`` and ``delta_full_every`` in :class:`~asyncckpt.options.Checkpo
   less what the save being encoded stages.
 
 Used by :func:`asyncckpt.persist.write_part` on the checkpoint worker thread, for encoders that
-encode one tensor at a time (the CPU path). An encoder with ``encode_snapshot`` (the GPU
-pipeline) is not given a session: its saves stay full until the GPU path wires the same calls.
+encode one tensor at a time (the CPU path); the GPU pipeline (:mod:`asyncckpt.gpu.pipeline`)
+gets the same session through the snapshot and applies the same policy in its batched encode.
+References are kept per key and dtype (:meth:`DeltaSave.reference_key`), so a key whose dtype
+changed is stored in full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from .codecs import EncodedBlob, Encoder, NoneCodec
@@ -79,6 +82,8 @@ class DeltaSave:
         self.base = base
         self.deltas = 0
         """Records stored as deltas so far."""
+        self.excluded: set[str] = set()
+        """Keys stored in full with no reference kept (:meth:`exclude_duplicates`)."""
 
     @property
     def reference(self) -> Reference | None:
@@ -87,23 +92,39 @@ class DeltaSave:
             return None
         return Reference(step=self.base.step, manifest_sha256=self.base.manifest_sha256)
 
+    def exclude_duplicates(self, keys: Iterable[str]) -> None:
+        """Store in full, and keep no reference for, every key that names more than one tensor in
+        this save (``{"a/b": x, "a": {"b": y}}``): a base record is found by its key, so a delta
+        against either would be ambiguous to a reader."""
+        counts = Counter(keys)
+        self.excluded = {key for key, n in counts.items() if n > 1}
+
+    def reference_key(self, staged: StagedTensor) -> str | None:
+        """The name ``staged``'s bytes are kept under in the store (its key and dtype: a reference of
+        another dtype is never used), or None when it may have no reference in this save."""
+        if staged.key in self.excluded:
+            return None
+        return f"{staged.key}\0{staged.dtype}"
+
     def encode(self, encoder: Encoder, staged: StagedTensor, stable: bool = True) -> EncodedBlob:
         """``staged``'s blob: a delta when one wins, else in full; records its bytes as the next reference."""
         raw, key, dtype = staged.data, staged.key, staged.dtype
-        store, writer = self.writer.store, self.writer
-        blob = self._try_delta(encoder, staged) if raw.numel() else None
+        store, writer, name = self.writer.store, self.writer, self.reference_key(staged)
+        blob = self._try_delta(encoder, staged, name) if raw.numel() and name is not None else None
         if blob is None:
             blob = encoder.encode(raw, dtype, key)
             if blob.codec != "none" and blob.stored_bytes >= raw.numel() and stable:
                 blob = _identity.encode(raw, dtype, key)  # incompressible: store raw
-            store.set_full_size(key, blob.stored_bytes)
-        store.record(key, raw, keep=not (writer.mode == "auto" and key in writer.losers))
+            if name is not None:
+                store.set_full_size(name, blob.stored_bytes)
+        if name is not None:
+            store.record(name, raw, keep=not (writer.mode == "auto" and name in writer.losers))
         return blob
 
-    def _try_delta(self, encoder: Encoder, staged: StagedTensor) -> EncodedBlob | None:
-        if self.base is None or staged.key in self.writer.losers:
+    def _try_delta(self, encoder: Encoder, staged: StagedTensor, name: str) -> EncodedBlob | None:
+        if self.base is None or name in self.writer.losers:
             return None
-        store, key = self.writer.store, staged.key
+        store, key = self.writer.store, name
         reference, full = store.reference(key, staged.data.numel()), store.full_size(key)
         if reference is None or full is None:
             return None
@@ -111,9 +132,9 @@ class DeltaSave:
         best: EncodedBlob | None = None
         for op in (chosen,) if chosen else DELTA_OPS:
             transformed = encode_delta(staged.data, reference, op, staged.dtype)
-            blob = encoder.encode(transformed, staged.dtype, key)
+            blob = encoder.encode(transformed, staged.dtype, staged.key)
             if blob.codec != "none" and blob.stored_bytes >= transformed.numel():
-                blob = _identity.encode(transformed, staged.dtype, key)
+                blob = _identity.encode(transformed, staged.dtype, staged.key)
             if best is None or blob.stored_bytes < best.stored_bytes:
                 best = replace(blob, delta=op)
         assert best is not None and best.delta is not None

@@ -260,15 +260,18 @@ def apply_retention(directory: Path, keep_last: int | None, protect: Path) -> li
     are neither counted nor deleted here, since the new timeline's checkpoints are the ones to
     keep; :func:`discard_steps_after` removes them when asked. Symlinks are never checkpoints
     (:func:`list_checkpoints`), so retention never follows or deletes one. A checkpoint that a kept
-    one depends on (its delta ``reference``, transitively) is kept too, so every kept step loads.
+    one depends on (its delta ``reference``, transitively) is kept too, so every kept step loads,
+    and so is one that a checkpoint of the abandoned timeline depends on, so every listed step loads.
     """
     if keep_last is None:
         return []
     match = _CKPT_DIR.fullmatch(protect.name)
     ceiling = int(match.group(1)) if match else None
-    timeline = [c for c in list_checkpoints(directory) if ceiling is None or c.step <= ceiling]
+    listed = list_checkpoints(directory)
+    timeline = [c for c in listed if ceiling is None or c.step <= ceiling]
     keep = {c.path for c in timeline[-keep_last:]} | {protect}
-    keep |= _bases_of(directory, keep)
+    abandoned = {c.path for c in listed if ceiling is not None and c.step > ceiling}  # still listed: keep them loadable
+    keep |= _bases_of(directory, keep | abandoned)
     deleted = []
     for info in timeline:
         if info.path not in keep:
@@ -305,10 +308,13 @@ def discard_steps_after(directory: str | os.PathLike[str], step: int) -> list[in
 
     For a run restarted from checkpoint ``step``: its later steps would otherwise be refused as
     "already saved" when the new timeline reaches them. Calling thread; no save may be in flight.
+    Every rank of a distributed run calls it on the same directory, so a checkpoint another process
+    has just moved aside is taken as deleted, not as an error.
     """
     doomed = [c for c in list_checkpoints(directory) if c.step > step]
     for info in doomed:
-        delete_checkpoint_dir(info.path)
+        with contextlib.suppress(FileNotFoundError):  # another rank deleted it since the listing
+            delete_checkpoint_dir(info.path)
     return [c.step for c in doomed]
 
 

@@ -26,8 +26,9 @@ from .codecs import EncodedBlob, Encoder, NoneCodec
 from .commit_points import reached
 from .delta_encode import DeltaSave, DeltaWriter
 from .dtypes import dtype_name
+from .errors import CheckpointError
 from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
-from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord, manifest_json
+from .manifest import MANIFEST_NAME, Checksum, Manifest, Reference, TensorRecord, manifest_json, read_manifest
 from .result import SaveResult
 from .snapshot import Snapshot
 from .storage import Storage
@@ -121,6 +122,8 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
         try:
             records, codecs = [], Counter[str]()
             per_tensor = delta if getattr(encoder, "encode_snapshot", None) is None else None
+            if per_tensor is not None:
+                per_tensor.exclude_duplicates(t.key for t in snapshot.tensors)
             blobs = encode_all(encoder, snapshot) if per_tensor is None else iter(())
             for staged in snapshot.tensors:
                 began = time.perf_counter()
@@ -219,6 +222,8 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
                             tensors=part.records, structure=job.skeleton, metadata=job.metadata,
                             io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
         manifest_bytes = manifest_json(manifest, final)
+        if manifest.reference is not None:
+            check_base_present(final.parent, manifest.reference, final)
         write_durably(tmp / MANIFEST_NAME, manifest_bytes)
         reached("manifest-written")
         if point_latest:
@@ -240,6 +245,28 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         durable_seconds=time.perf_counter() - job.started,
         gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
+
+
+def check_base_present(root: Path, reference: Reference, final: Path) -> None:
+    """Raise CheckpointError unless the base of a delta checkpoint is still in ``root`` as written.
+
+    The reference store remembers the base it wrote; another process (a second checkpointer on the
+    same directory, a user deleting files) may have removed or replaced it since, and a checkpoint
+    whose base is gone would be reported saved and could not load. A deletion between this check
+    and the commit is not caught here (``load`` and ``verify`` still report it, naming the base).
+    """
+    base = root / checkpoint_name(reference.step)
+    try:
+        digest = read_manifest(base).digest
+    except (CheckpointError, OSError) as exc:
+        digest, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"its manifest digest is {digest}"
+    if digest != reference.manifest_sha256:
+        raise CheckpointError(
+            f"{final}: a delta against step {reference.step}, but that checkpoint is no longer the one it was encoded "
+            f"against ({why}); another process deleted or replaced it. Not committed; the next save is full"
+        )
 
 
 def write_durably(path: Path, data: bytes) -> None:

@@ -162,3 +162,53 @@ def test_distributed_ranks_refer_to_their_own_previous_data(tmp_path: Path) -> N
         assert out["versions"] == {"4": 3, "5": 4} and out["refs"] == {"4": None, "5": 4}, out
         assert out["files"] == ["data-r0.bin", "data-r1.bin"], out
     assert asyncckpt.verify(root).step == 5
+
+
+_SKIPPED_DISCARD = (
+    _PRELUDE
+    + """
+from asyncckpt.errors import SaveFailedError
+from asyncckpt.manifest import read_manifest
+w = torch.linspace(0, 1, 30_000) * (rank + 1)
+outcome = {}
+with DistributedCheckpointer(root, delta="on", delta_full_every=10) as ckpt:
+    for step in (1, 2, 3):
+        w.add_(1e-7 * step)
+        ckpt.save(step, {"w": w}).result(timeout=60)
+    dist.barrier()  # every rank has seen step 3 committed before any of it is deleted
+    if rank == 0:  # the mistake under test: only rank 0 restarts the timeline; rank 1 still refers to step 3
+        ckpt.discard_steps_after(1)
+    dist.barrier()
+    w.add_(1e-7)
+    try:
+        ckpt.save(5, {"w": w}).result(timeout=60)
+        outcome["first"] = "saved"
+    except SaveFailedError as exc:
+        outcome["first"] = str(exc)
+    dist.barrier()
+    for step in (6, 7):  # the failure may be raised once more by the next save(), as documented
+        try:
+            ckpt.save(step, {"w": w}).result(timeout=60)
+        except SaveFailedError:
+            continue
+        outcome["saved"] = step
+        outcome["full"] = read_manifest(ckpt.directory / f"step-{step:010d}").reference is None
+        outcome["loads"] = bool(torch.equal(ckpt.load(step=step)["w"], w))
+        break
+report(**outcome, steps=[c.step for c in asyncckpt.list_checkpoints(root)])
+"""
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_encoding_against_a_discarded_step_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    results = _run_ranks(_SKIPPED_DISCARD, root, tmp_path)
+    for rank, (code, found, output) in enumerate(results):
+        assert code == 0, output
+        out = found[-1]
+        assert "no longer the one it was encoded against" in out["first"], (rank, out)
+        assert out["full"] is True and out["loads"] is True, (rank, out)
+        assert out["steps"] == [1, out["saved"]], (rank, out)
+    assert asyncckpt.verify(root).step in (6, 7)

@@ -45,7 +45,7 @@ from ..delta_encode import DeltaSave, DeltaWriter
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, commit, finish_interrupted_commit, fsync_dir, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, begin_delta, retain_quietly, write_durably, write_part
+from ..persist import SaveJob, WrittenPart, begin_delta, check_base_present, retain_quietly, write_durably, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -216,6 +216,8 @@ def _commit_as_rank0(job: SaveJob, root: Path, tmp: Path, storage: Storage, ctx:
     try:
         final = root / checkpoint_name(job.step)
         manifest = _combined_manifest(job, tmp, ctx, storage)
+        if manifest.reference is not None:
+            check_base_present(root, manifest.reference, final)
         for rank in ctx.writers:
             (tmp / part_file_name(rank)).unlink()
         write_durably(tmp / MANIFEST_NAME, manifest_json(manifest, final))

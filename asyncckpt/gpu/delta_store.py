@@ -71,7 +71,10 @@ class DeviceReferenceStore(HostReferenceStore):
             except torch.OutOfMemoryError:
                 pass  # training holds the memory the budget counted on: try the host
         if self._held - self.device_bytes + nbytes <= self.budget_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # the host cannot pin that much now: not kept, never a failed save
+                return None
         return None
 
     def _drop(self, key: str) -> None:

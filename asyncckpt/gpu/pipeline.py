@@ -78,6 +78,12 @@ PACK_ALIGN_BYTES = 16
 """Start of every blob in a group's packed buffer."""
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Compressed bytes that may wait for the writer before the compressor pauses (not in fence mode)."""
+FENCE_SESSION_WAIT_SECONDS = 0.1
+"""How long a ``fence`` save waits for its delta session (the worker takes an idle save in
+microseconds); past it the save is stored in full rather than holding training longer."""
+DELTA_SCRATCH_FACTOR = 3
+"""Groups shrink by this factor in a delta save: each tensor is encoded as itself and as up to two
+delta forms, each with its own temporaries, within the scratch the plan counted for one."""
 
 _STOP = object()
 
@@ -224,10 +230,21 @@ class GpuEncoder:
                 stats.tensors = len(snapshot.tensors)
                 if snapshot.host_part is not None:
                     snapshot.host_part.wait_ready()  # device-to-host staging copies have landed
-                session = snapshot.delta.wait() if self.delta is not None else None
-                groups = self._plan(snapshot.tensors, snapshot.plan.group_bytes)
+                session = None
+                if self.delta is not None:
+                    # A fence holds training until this save is read: wait only for a worker that is
+                    # free to take the save now, not for the previous save's write (max_inflight > 1).
+                    session = snapshot.delta.wait(FENCE_SESSION_WAIT_SECONDS if gate is not None else None)
+                    if session is None and gate is not None:
+                        stats.notes.append("stored in full: the previous save was still being written")
+                group_bytes = snapshot.plan.group_bytes
+                if session is not None:
+                    session.exclude_duplicates(t.key for t in snapshot.tensors)
+                    if session.base is not None:  # each tensor's delta forms take scratch beside it
+                        group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // DELTA_SCRATCH_FACTOR)
+                groups = self._plan(snapshot.tensors, group_bytes)
                 if gate is not None:
-                    self._compress_fenced(snapshot, gate, groups, stats, began, session)
+                    self._compress_fenced(snapshot, gate, groups, stats, began, session, group_bytes)
                 else:
                     for group in groups:
                         compressed = self._compress_stable(group, snapshot, stats, session)
@@ -251,7 +268,7 @@ class GpuEncoder:
 
     def _compress_fenced(
         self, snapshot: GpuSnapshot, gate: FenceGate, groups: list[list[tuple[int, StagedTensor]]],
-        stats: CompressStats, began: float, session: DeltaSave | None = None,
+        stats: CompressStats, began: float, session: DeltaSave | None = None, group_bytes: int | None = None,
     ) -> None:  # fmt: skip
         """Stream a ``fence`` snapshot through bounded scratch. Compressor thread; the stream is current.
 
@@ -265,7 +282,7 @@ class GpuEncoder:
         """
         channel = snapshot.channel
         resident_left = snapshot.plan.resident_bytes
-        group_bytes = snapshot.plan.group_bytes
+        group_bytes = group_bytes or snapshot.plan.group_bytes
         in_flight_bytes = GROUPS_IN_FLIGHT * group_bytes
         todo = deque(groups)
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
@@ -543,7 +560,7 @@ class GpuEncoder:
             deltas = [o for o in candidates if o.delta is not None]
             if len({o.spec for o in deltas}) > 1:
                 self.chooser.chose(_delta_key(staged.key), staged.dtype, min(deltas, key=lambda o: o.stored).spec)
-            settled.append((staged.key, candidates, best))
+            settled.append((staged, candidates, best))
             chosen.append(best)
         # Each blob starts 16-byte aligned in `packed` (the checksum kernel reads whole words);
         # its chunks follow back to back, exactly as they go to the file.
@@ -582,8 +599,8 @@ class GpuEncoder:
             blobs.append(_raw_blob(index, staged.data, stats))
         blobs.sort(key=lambda pair: pair[0])
         if work.session is not None:  # resolved (no retry can follow): learn, and update the references
-            for key, candidates, best in settled:
-                _settle_delta(work.session, key, candidates, best)
+            for staged, candidates, best in settled:
+                _settle_delta(work.session, staged, candidates, best)
             _record_references(work.session, work.items, work.sources)
         return blobs, total, packed
 
@@ -597,19 +614,21 @@ def _delta_key(key: str) -> str:
 def _delta_forms(session: DeltaSave, staged: StagedTensor, source: torch.Tensor) -> dict[str | None, torch.Tensor]:
     """The delta forms of ``source`` to encode beside it: none without a reference, else the op
     that won for this key since the last full save, or both until one has. Queued on the current stream."""
-    writer = session.writer
-    if session.base is None or staged.key in writer.losers:
+    writer, name = session.writer, session.reference_key(staged)
+    if session.base is None or name is None or name in writer.losers:
         return {}
-    reference = writer.store.reference(staged.key, source.numel())
+    reference = writer.store.reference(name, source.numel())
     if reference is None:
         return {}
-    chosen = writer.ops.get(staged.key)
+    chosen = writer.ops.get(name)
     return {op: encode_delta(source, reference, op, staged.dtype) for op in ((chosen,) if chosen else DELTA_OPS)}
 
 
-def _settle_delta(session: DeltaSave, key: str, candidates: list[_Option], best: _Option) -> None:
-    """Remember what this save learnt about ``key``: its full size, the op that won, whether its delta pays."""
-    writer = session.writer
+def _settle_delta(session: DeltaSave, staged: StagedTensor, candidates: list[_Option], best: _Option) -> None:
+    """Remember what this save learnt about a tensor: its full size, the op that won, whether its delta pays."""
+    writer, key = session.writer, session.reference_key(staged)
+    if key is None:
+        return
     own = [o.stored for o in candidates if o.delta is None]
     if own:
         writer.store.set_full_size(key, min(own))
@@ -628,7 +647,9 @@ def _record_references(session: DeltaSave, items: list[tuple[int, StagedTensor]]
     that read the old references). A key ``auto`` gave up on is dropped instead."""
     writer = session.writer
     for (_index, staged), source in zip(items, sources, strict=True):
-        writer.store.record(staged.key, source, keep=not (writer.mode == "auto" and staged.key in writer.losers))
+        name = session.reference_key(staged)
+        if name is not None:
+            writer.store.record(name, source, keep=not (writer.mode == "auto" and name in writer.losers))
 
 
 def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int, EncodedBlob]:

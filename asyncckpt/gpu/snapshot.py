@@ -104,19 +104,25 @@ class DeltaHandoff:
 
     def __init__(self) -> None:
         self._given = threading.Event()
+        self._lock = threading.Lock()
         self._session: Any = None
         """A :class:`~asyncckpt.delta_encode.DeltaSave` (not imported: the codecs it imports reach this module)."""
 
-    def provide(self, session: Any) -> None:
-        """Worker thread (or release()); the first call wins."""
-        if not self._given.is_set():
-            self._session = session
-            self._given.set()
+    def provide(self, session: Any) -> Any:
+        """Worker thread (or release(), or a compressor that will not wait); the first call wins and
+        is what every caller gets back."""
+        with self._lock:
+            if not self._given.is_set():
+                self._session = session
+                self._given.set()
+            return self._session
 
-    def wait(self) -> Any:
-        """Compressor thread: blocks until the worker has provided the session."""
-        self._given.wait()
-        return self._session
+    def wait(self, timeout: float | None = None) -> Any:
+        """Compressor thread: the session, once the worker has provided it. After ``timeout``
+        seconds without one, this save goes without deltas (None is provided, and returned)."""
+        if self._given.wait(timeout):
+            return self._session
+        return self.provide(None)
 
 
 class GpuSnapshot:

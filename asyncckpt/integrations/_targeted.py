@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpointer import AsyncCheckpointer
+from ..errors import CheckpointError
 from ..handle import SaveHandle
 from ..layout import delete_checkpoint_dir
 from ..persist import SaveJob, check_extra_files, persist_to
@@ -34,7 +35,14 @@ class TargetedCheckpointer(AsyncCheckpointer):
     """
 
     def __init__(self, directory: str | os.PathLike[str], **kwargs: Any) -> None:
-        super().__init__(directory, **kwargs)
+        if kwargs.get("delta", "off") != "off":
+            raise CheckpointError(
+                f"delta={kwargs['delta']!r}: the Lightning and Hugging Face integrations write each checkpoint to a "
+                "path of its own, which the framework may delete or replace, so no checkpoint can be another's base; "
+                "they always write full checkpoints. Drop the delta option"
+            )
+        # Explicitly off, so an ASYNCCKPT_DELTA set for the whole job does not apply here either.
+        super().__init__(directory, **{**kwargs, "delta": "off"})
         self._counter = itertools.count(1)
         self._targets: dict[int, tuple[Path, dict[str, bytes]]] = {}
         self._target_lock = threading.Lock()
