@@ -58,7 +58,12 @@ mine = full.chunk(world)[rank]
 print("RESULT " + json.dumps({"shard_equal": bool(torch.equal(back["model"]["w"].to_local(), mine)),
                               "b_equal": bool(torch.equal(back["model"]["b"], torch.arange(10.0))),
                               "meta": back["meta"]}), flush=True)
+dist.destroy_process_group(save_group)
 dist.destroy_process_group()
+# Skip interpreter teardown: under load, torch 2.13's gloo threads sometimes abort the process while it is
+# being torn down ("terminate called without an active exception", after the result above was printed).
+# What this test checks has been printed by then; the teardown is torch's, not the plugin's.
+os._exit(0)
 """
 
 _LOAD_1_RANK = """
