@@ -1,6 +1,6 @@
 """What every benchmark shares: the training workload, the machine description, memory sampling, statistics.
 
-The workload is real training state, not random tensors: :class:`~asyncckpt.demo_model.TinyGPT`
+The workload is real training state, not random tensors: :class:`~asyncckpt.testing.demo_model.TinyGPT`
 trained on the Python standard library's source, in BF16 autocast on a GPU (so the FP32
 gradients look like those of mixed-precision training), in FP32 on the CPU. Random tensors
 compress nothing like trained weights and Adam moments do.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from asyncckpt.commands._progress import Progress as TerminalBar
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"

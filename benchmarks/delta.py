@@ -39,7 +39,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.delta_ops import DELTA_OPS, encode_delta
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 from .common import (
     BarProgress,

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import asyncckpt
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 from asyncckpt.tree import flatten
 
 

@@ -18,8 +18,8 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
-from asyncckpt.demo_model import stdlib_text
 from asyncckpt.integrations.huggingface import AsyncCkptTrainer
+from asyncckpt.testing.demo_model import stdlib_text
 
 
 def main() -> None:

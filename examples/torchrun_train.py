@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncckpt
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 from asyncckpt.distributed import DistributedCheckpointer
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import time
 import torch
 
 import asyncckpt
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def small_training_state(steps: int = 3, width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
     """A TinyGPT and AdamW after a few real steps on stdlib text, and its state dict."""
-    from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+    from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 
     torch.manual_seed(0)
     model = TinyGPT(width=width, layers=2, heads=2, context=32)

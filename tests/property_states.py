@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from asyncckpt.dtypes import DTYPE_BY_NAME, FLOATING_NAMES, dtype_name
 from asyncckpt.manifest import MANIFEST_NAME, read_manifest
 from asyncckpt.manifest_digest import DIGEST_FIELD, seal
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("ci", max_examples=30, deadline=None, database=None, suppress_health_check=_SLOW,

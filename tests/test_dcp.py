@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import asyncckpt
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptStager, AsyncCkptWriter
 from asyncckpt.result import SaveResult
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 
 _SAVE_2_RANKS = """
 import json, sys, os, threading

@@ -13,7 +13,7 @@ import asyncckpt
 from asyncckpt.distributed import DistributedCheckpointer, load_rank
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
 from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 
 
 def _states() -> list[dict[str, torch.Tensor]]:

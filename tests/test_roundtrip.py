@@ -12,7 +12,7 @@ from conftest import small_training_state
 
 import asyncckpt
 from asyncckpt.dtypes import DTYPE_BY_NAME
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 
 
 def _every_dtype_tensor(dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +117,7 @@ def test_model_and_optimizer_load_back_into_fresh_objects(run_dir: Path) -> None
     state = {**state, "step": 3}
     restored = _roundtrip(run_dir, state)
     assert first_difference(state, restored) is None
-    from asyncckpt.demo_model import TinyGPT
+    from asyncckpt.testing.demo_model import TinyGPT
 
     fresh = TinyGPT(width=32, layers=2, heads=2, context=32)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)

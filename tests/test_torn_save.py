@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 
 @pytest.mark.parametrize("max_inflight", [1, 3])

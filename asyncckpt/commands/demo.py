@@ -22,7 +22,7 @@ import torch
 
 from ..checkpointer import AsyncCheckpointer
 from ..loader import load
-from ..state_compare import clone_state, first_difference
+from ..testing.state_compare import clone_state, first_difference
 
 
 def register(sub: Any) -> None:
@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+    from ..testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip

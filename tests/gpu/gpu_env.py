@@ -38,7 +38,7 @@ class Trainer:
         fused: bool = False,
         autocast: bool = False,
     ) -> None:
-        from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text
+        from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text
 
         torch.manual_seed(0)
         self.device = torch.device("cuda", torch.cuda.current_device())

@@ -30,8 +30,8 @@ import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 import asyncckpt
-from asyncckpt.state_compare import first_difference
-from asyncckpt.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
+from asyncckpt.testing.state_compare import first_difference
+from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptStager, AsyncCkptWriter
 root, store, codec = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.cuda.set_device(0)

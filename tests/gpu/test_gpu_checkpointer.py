@@ -16,7 +16,7 @@ from gpu_env import Trainer, requires_gpu, subprocess_env
 import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.manifest import read_manifest
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 pytestmark = requires_gpu
 
@@ -168,7 +168,7 @@ def test_a_cpu_written_checkpoint_restores_through_the_gpu(run_dir: Path) -> Non
 
 _CPU_ONLY_LOAD = """
 import sys, torch, asyncckpt
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 assert not torch.cuda.is_available()
 reference = torch.load(sys.argv[2], weights_only=True)
 try:

@@ -23,7 +23,7 @@ from asyncckpt.gpu.planes import join_into, split_into
 from asyncckpt.gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
 from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.manifest_digest import DIGEST_FIELD, seal
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 _BLOCK_GPU_PACKAGES = """
 import sys

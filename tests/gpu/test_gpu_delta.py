@@ -10,7 +10,7 @@ from gpu_env import Trainer, requires_gpu
 
 import asyncckpt
 from asyncckpt.manifest import read_manifest
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 pytestmark = requires_gpu
 

@@ -21,7 +21,7 @@ _REFUSED_WRITE = (
     REFUSED_WRITES_PRELUDE
     + """
 import json, sys, torch
-from asyncckpt.state_compare import first_difference
+from asyncckpt.testing.state_compare import first_difference
 run, snapshot = sys.argv[1], sys.argv[2]
 small = {"w": torch.arange(1000, dtype=torch.float32, device="cuda")}
 ckpt = asyncckpt.AsyncCheckpointer(run, snapshot=snapshot, codec="auto")

@@ -17,7 +17,7 @@ from gpu_env import Trainer, requires_gpu
 import asyncckpt
 from asyncckpt.gpu.budget import MIN_GROUP_BYTES, scratch_for
 from asyncckpt.result import SaveResult
-from asyncckpt.state_compare import clone_state, first_difference
+from asyncckpt.testing.state_compare import clone_state, first_difference
 
 pytestmark = requires_gpu
 

@@ -1,6 +1,6 @@
 """Bit-exact comparison of training states (tensors compared as raw bytes, so NaNs match NaNs).
 
-Used by the demo's restore check and by the tests; runs on the calling thread.
+Used by the demo's restore check, the benchmarks and the tests; runs on the calling thread.
 """
 
 from __future__ import annotations
