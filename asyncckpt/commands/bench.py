@@ -9,7 +9,8 @@ there and hands them the remaining arguments, so ``asyncckpt bench stall --tiny`
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,19 +33,24 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _import_benchmark(module: str) -> Any:
+def _checkout_root(module: str) -> Path:
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / f"{module}.py").is_file():
         raise CheckpointError(
             "the benchmarks are not installed with the package; run this from a source checkout of asyncckpt "
             "(git clone, then `pip install -e .` or `python -m asyncckpt bench ...` in its root)"
         )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"benchmarks.{module}")
+    return root
 
 
 def run(args: argparse.Namespace) -> int:
-    module = _import_benchmark(BENCHMARKS[args.benchmark])
-    status: int = module.main(list(args.args), prog=f"asyncckpt bench {args.benchmark}")
-    return status
+    """Run the benchmark in a child interpreter that finds the checkout's ``benchmarks`` package.
+
+    A child, not an import: this process's ``sys.path`` stays what the installed package was given,
+    and the benchmark's exit status, output and progress bar are its own.
+    """
+    module = BENCHMARKS[args.benchmark]
+    root = _checkout_root(module)
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-m", f"benchmarks.{module}", *args.args]
+    return subprocess.call(command, env={**os.environ, "PYTHONPATH": path})
