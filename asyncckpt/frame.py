@@ -5,8 +5,8 @@ dicts), but the JSON skeleton and the key paths are only read later, by the comp
 the worker. So on the training thread :func:`capture` copies each container into a
 :class:`Frame` (keys and values, no JSON, no paths) and collects the distinct tensors; on
 whichever thread first asks, :func:`describe` turns the frame into the skeleton and the key
-path of each tensor. Measured on one CPU core, a 320-tensor optimizer state: the full walk
-took 476 us, :func:`capture` 239 us.
+path of each tensor, which halves the training thread's share of the walk
+(docs/benchmarks.md, "Why the GPU path is built this way").
 
 :func:`capture` takes only the common case: exact ``dict``/``OrderedDict``/``list``/``tuple``
 containers with ``str``/``int`` keys, exact ``int``/``float``/``str``/``bool``/``None``

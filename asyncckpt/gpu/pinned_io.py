@@ -28,11 +28,11 @@ PIECE_BYTES = 64 << 20
 class PinnedPosixReader:
     """Reads into device memory with large sequential ``pread`` calls through two pinned host buffers.
 
-    What a restore uses where GDS is off. KvikIO's compat mode does the same POSIX reads, but
-    cut into 4 MiB tasks spread over its thread pool; on the H200 machine's ext4 disk that read
-    a cold checkpoint at 1.30 GB/s where one thread's 64 MiB sequential reads got 1.56 GB/s
-    (the kernel's readahead sees one sequential stream). While piece k is copied to the GPU
-    (on a private stream, ~55 GB/s), piece k+1 is read.
+    What a restore uses where GDS is off. KvikIO's compat mode does the same POSIX reads cut
+    into 4 MiB tasks over its thread pool; one thread's 64 MiB sequential reads keep the
+    kernel's readahead on a single stream, which reads faster (docs/benchmarks.md, "Why the
+    GPU path is built this way"). While piece k is copied to the GPU on a private stream, piece
+    k+1 is read.
 
     Threads: requests run in order on one private reader thread (``asyncckpt-read``), so the
     file is read front to back; ``finish`` waits for a request and reports a short file.

@@ -138,11 +138,9 @@ def auto_candidates(dtype: torch.dtype) -> tuple[CodecSpec, ...]:
     Only codecs that run at a few hundred GB/s on an H200 (ANS, Bitcomp; Cascaded for integers):
     the whole point of compressing on the GPU is that it hides behind storage. Floats get ANS
     with the float-aware type on whole words, ANS on byte planes that span the tensor, and
-    Bitcomp on whole words. Tensor-wide planes are what let ANS beat nvCOMP Zstd (measured on
-    the H200, real state): FP32 gradients made under BF16 autocast (near-constant low bytes)
-    2.87x against 2.81x, FP32 ``exp_avg_sq`` 1.223x against 1.217x, BF16 ``exp_avg_sq`` 1.572x
-    against 1.553x; per-chunk planes got 2.42x, 1.19x and 1.47x. Zstd, LZ4, Deflate and
-    GDeflate run at ~4-90 GB/s and stay explicit choices.
+    Bitcomp on whole words. Planes span the tensor, not each chunk, because that is what lets
+    ANS match nvCOMP Zstd on real state (figures: docs/benchmarks.md, "Why the GPU path is built
+    this way"). Zstd, LZ4, Deflate and GDeflate are tens of times slower and stay explicit choices.
     """
     size = dtype.itemsize
     floating = _is_float(dtype)
