@@ -32,12 +32,13 @@ from typing import Any
 from .backend import build_backend
 from .errors import CheckpointError, SaveFailedError
 from .handle import SaveHandle
-from .layout import MAX_STEP, checkpoint_name, discard_steps_after, latest_step, remove_stale_temporaries
+from .layout import MAX_STEP, checkpoint_name, latest_step
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .observer import GuardedObserver, NullObserver, SaveObserver
 from .options import resolve_options
 from .persist import SaveJob, persist
 from .result import SaveResult
+from .retention import discard_steps_after, remove_stale_temporaries
 from .tree import flatten
 
 log = logging.getLogger("asyncckpt")

@@ -23,13 +23,15 @@ from typing import Any
 from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
+from .commit import commit, publish
 from .commit_points import reached
 from .delta_encode import DeltaSave, DeltaWriter
 from .dtypes import dtype_name
 from .errors import CheckpointError
-from .layout import apply_retention, checkpoint_name, commit, publish, temporary_dir
+from .layout import checkpoint_name, temporary_dir
 from .manifest import MANIFEST_NAME, Checksum, Manifest, Reference, TensorRecord, manifest_json, read_manifest
 from .result import SaveResult
+from .retention import apply_retention
 from .snapshot import Snapshot
 from .storage import Storage
 from .tree import FlatState
@@ -206,7 +208,7 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
     ``point_latest`` also points ``final.parent/latest`` at it (the run-directory layout);
     integrations that choose their own paths (Lightning, Hugging Face) turn it off. ``replace``
     lets the new checkpoint take the place of an existing one at ``final`` (never half-written:
-    see :func:`asyncckpt.layout.publish`). ``delta``: this save's incremental session (the
+    see :func:`asyncckpt.commit.publish`). ``delta``: this save's incremental session (the
     manifest refers to its base; its bytes become the next reference once committed).
     """
     tmp = temporary_dir(final.parent, job.step)

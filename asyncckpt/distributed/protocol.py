@@ -40,10 +40,11 @@ from typing import Any
 
 from .._version import __version__
 from ..codecs import Encoder
+from ..commit import commit, finish_interrupted_commit
 from ..commit_points import reached
 from ..delta_encode import DeltaSave, DeltaWriter
 from ..errors import CheckpointError
-from ..layout import checkpoint_name, commit, finish_interrupted_commit, fsync_dir, is_commit_marker, pointer_reaches
+from ..layout import checkpoint_name, fsync_dir, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
 from ..persist import SaveJob, WrittenPart, begin_delta, check_base_present, retain_quietly, write_durably, write_part
 from ..result import SaveResult

@@ -22,9 +22,9 @@ from typing import Any
 from ..checkpointer import AsyncCheckpointer
 from ..errors import CheckpointError
 from ..handle import SaveHandle
-from ..layout import delete_checkpoint_dir
 from ..persist import SaveJob, check_extra_files, persist_to
 from ..result import SaveResult
+from ..retention import delete_checkpoint_dir
 
 
 class TargetedCheckpointer(AsyncCheckpointer):

@@ -62,8 +62,8 @@ from torch.futures import Future
 from .._version import __version__
 from ..backend import build_backend
 from ..checkpointer import _default_observer
+from ..commit import publish
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..layout import publish
 from ..loader import load_tensors
 from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest, write_manifest
 from ..observer import GuardedObserver, NullObserver, SaveObserver, notify_load_finished
