@@ -239,12 +239,23 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         raise
     if delta is not None:
         delta.committed(job.step, manifest_bytes, manifest.is_delta)
-    stages = {"snapshot": job.snapshot_seconds, **part.stage_seconds, "commit": commit_seconds}
+    return job_result(job, final, part, storage.io_mode, commit_seconds)
+
+
+def job_result(job: SaveJob, final: Path, part: WrittenPart | None, io_mode: str, commit_seconds: float) -> SaveResult:
+    """The :class:`SaveResult` of a committed ``job`` whose part (None: this process wrote none) is in ``final``.
+
+    The one place a checkpointer's result is assembled, for the single-process and the
+    distributed paths alike. Call it right after the commit: it reads the clock for
+    ``durable_seconds``. Worker thread.
+    """
+    records = part.records if part is not None else []
+    stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}), "commit": commit_seconds}
     return SaveResult(
-        step=job.step, path=final, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
-        stall_seconds=job.stall_seconds, stage_seconds=stages, io_mode=manifest.io_mode,
-        snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason, codecs=dict(part.codecs),
-        durable_seconds=time.perf_counter() - job.started,
+        step=job.step, path=final, raw_bytes=sum(r.raw_bytes for r in records),
+        stored_bytes=sum(r.stored_bytes for r in records), stall_seconds=job.stall_seconds, stage_seconds=stages,
+        io_mode=io_mode, snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason,
+        codecs=dict(part.codecs) if part is not None else {}, durable_seconds=time.perf_counter() - job.started,
         gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
     )  # fmt: skip
 

@@ -49,7 +49,8 @@ with DistributedCheckpointer(root, keep_last=2) as ckpt:
         state["w"].add_(1000.0)  # mutate right after save() returns: the checkpoint must not see it
         result = handle.result(timeout=60)
     mine = ckpt.load()
-report(path=str(result.path), raw_bytes=result.raw_bytes, equal=bool(torch.equal(mine["w"], state_of(3)["w"])),
+report(path=str(result.path), raw_bytes=result.raw_bytes, mode=result.snapshot_mode, why=result.snapshot_reason,
+       stages=sorted(result.stage_seconds), equal=bool(torch.equal(mine["w"], state_of(3)["w"])),
        ids=bool(torch.equal(mine["ids"], state_of(3)["ids"])), rank_field=mine["rank"], step_field=mine["step"])
 with DistributedCheckpointer(root + "-replica", replicated=True) as replica:
     replica.save(7, state_of(7) if rank == 0 else {"ignored": torch.zeros(3)}).result(timeout=60)
@@ -148,6 +149,9 @@ def test_two_ranks_save_and_each_loads_its_own_part(tmp_path: Path) -> None:
         assert got["rank_field"] == rank and got["step_field"] == 3
         assert got["replica_rank"] == 0 and got["replica_equal"], "a replicated save must give every rank rank 0's"
         assert got["path"] == str(root / "step-0000000003")
+        # The result is the single-process one's: which snapshot mode ran and why, every stage timed.
+        assert got["mode"] == "host" and "host memory" in got["why"], got
+        assert {"snapshot", "commit"} <= set(got["stages"]), got
     # One committed directory per step, one data file per rank, retention applied by rank 0, nothing temporary.
     assert [c.step for c in asyncckpt.list_checkpoints(root)] == [2, 3]
     assert sorted(p.name for p in (root / "step-0000000003").iterdir()) == ["data-r0.bin", "data-r1.bin",

@@ -46,7 +46,16 @@ from ..delta_encode import DeltaSave, DeltaWriter
 from ..errors import CheckpointError
 from ..layout import checkpoint_name, fsync_dir, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
-from ..persist import SaveJob, WrittenPart, begin_delta, check_base_present, retain_quietly, write_durably, write_part
+from ..persist import (
+    SaveJob,
+    WrittenPart,
+    begin_delta,
+    check_base_present,
+    job_result,
+    retain_quietly,
+    write_durably,
+    write_part,
+)
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -122,16 +131,7 @@ def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, c
         # As this rank sees the commit: the combined manifest, whose digest the next save refers to.
         manifest = read_manifest(final)
         session.committed(job.step, manifest.digest, manifest.is_delta)
-    stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}),
-              "commit": time.perf_counter() - began}  # fmt: skip
-    records = part.records if part else []
-    return SaveResult(
-        step=job.step, path=final, raw_bytes=sum(r.raw_bytes for r in records),
-        stored_bytes=sum(r.stored_bytes for r in records), stall_seconds=job.stall_seconds, stage_seconds=stages,
-        io_mode=storage.io_mode, snapshot_mode=job.snapshot_mode, codecs=dict(part.codecs) if part else {},
-        durable_seconds=time.perf_counter() - job.started,
-        gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
-    )  # fmt: skip
+    return job_result(job, final, part, storage.io_mode, time.perf_counter() - began)
 
 
 def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, storage: Storage,
