@@ -173,12 +173,8 @@ class AsyncCheckpointer:
                 raise
             stall = staged_at - started
             handle = SaveHandle(step)
-            when_staged = getattr(snapshot, "when_staged", None)  # a GPU fence is staged once the GPU has read it
-            if when_staged is None:
-                handle._set_staged(stall)
-            else:
-                handle.stall_seconds = stall
-                when_staged(lambda: handle._set_staged(stall))
+            handle.stall_seconds = stall
+            snapshot.when_staged(lambda: handle._set_staged(stall))  # a GPU fence: once the GPU has read it
             job = SaveJob(step=step, structure=flat, snapshot=snapshot, metadata=metadata,
                           created_unix=time.time(), started=started, stall_seconds=stall,
                           snapshot_seconds=staged_at - began, snapshot_mode=self._backend.snapshot_mode,

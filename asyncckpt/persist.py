@@ -119,7 +119,7 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
         snapshot.wait_ready()
         # A fence snapshot's bytes are live tensors that training overwrites once they are compressed,
         # so an incompressible blob stays as encoded instead of being re-read raw.
-        stable = getattr(snapshot, "stable", True)
+        stable = snapshot.stable
         writer = storage.open_writer(path)
         try:
             records, codecs = [], Counter[str]()

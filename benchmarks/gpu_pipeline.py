@@ -37,7 +37,7 @@ from asyncckpt import AsyncCheckpointer, load
 from asyncckpt.gpu import fence
 from asyncckpt.gpu.pipeline import GpuEncoder
 from asyncckpt.gpu.specs import ALGORITHMS
-from asyncckpt.snapshot import StagedTensor
+from asyncckpt.snapshot import StagedAtOnce, StagedTensor
 from asyncckpt.tree import flatten
 
 from .common import (
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ part 1
-class _Plain:
+class _Plain(StagedAtOnce):
     """A snapshot of tensors already on the GPU (the encoder compresses it on the calling thread)."""
 
     staging_bytes = 0

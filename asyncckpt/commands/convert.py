@@ -36,7 +36,7 @@ from ..loader import load
 from ..manifest import Manifest, read_manifest
 from ..options import CODEC_NAMES, CheckpointOptions
 from ..persist import SaveJob, persist
-from ..snapshot import StagedTensor, bytes_view
+from ..snapshot import StagedAtOnce, StagedTensor, bytes_view
 from ..storage import PosixStorage, Storage
 from ..tree import flatten
 from ._paths import checkpoint_path
@@ -234,11 +234,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], manifest: Ma
         raise CheckpointError(f"safetensors cannot store this state ({exc}); try --to torch or --key") from exc
 
 
-class _Decoded:
+class _Decoded(StagedAtOnce):
     """A snapshot of decoded tensors (nothing to wait for; the caller owns the memory)."""
 
     staging_bytes = 0
-    stable = True
 
     def __init__(self, manifest: Manifest, tensors: list[torch.Tensor]) -> None:
         self.tensors = [

@@ -39,7 +39,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +298,13 @@ class _PlanSnapshot:
 
     def gpu_busy_seconds(self) -> float:
         return sum(e.snapshot.gpu_busy_seconds() for e in self._claimed)
+
+    @property
+    def stable(self) -> bool:
+        return all(e.snapshot.stable for e in self._claimed)
+
+    def when_staged(self, callback: Callable[[], None]) -> None:
+        callback()  # DCP reports staging itself, through its stager; nothing waits on this
 
     def resolve(self, item: WriteItem) -> StagedTensor:
         data = self._planner.resolve_data(item)

@@ -16,7 +16,7 @@ Two moments matter and have different owners:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +65,28 @@ class Snapshot(Protocol):
         """GPU time the snapshot took from training (copy kernels, fence waits), measured with CUDA
         events; 0.0 for CPU tensors. Called by the worker after ``wait_ready``."""
         ...
+
+    @property
+    def stable(self) -> bool:
+        """Whether ``tensors[i].data`` stays as staged until :meth:`release`. False for a fence,
+        whose data is live memory training overwrites once the GPU has read it: the writer then
+        never re-reads it (an incompressible blob is kept as encoded)."""
+        ...
+
+    def when_staged(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (any thread) once the caller may mutate the state: at once for a copy,
+        after the GPU has read the tensors for a fence. The checkpointer's handle reports
+        ``staged`` through it."""
+        ...
+
+
+class StagedAtOnce:
+    """The staging contract of a snapshot that owns its bytes when ``stage()`` returns (a copy)."""
+
+    stable = True
+
+    def when_staged(self, callback: Callable[[], None]) -> None:
+        callback()
 
 
 class Stager(Protocol):

@@ -22,7 +22,7 @@ import torch
 from ..alignment import aligned_offsets
 from ..errors import CheckpointError
 from ..tree import FlatState
-from .base import StagedTensor, bytes_view
+from .base import StagedAtOnce, StagedTensor, bytes_view
 
 ALIGN_BYTES = 64
 """Each tensor starts at a multiple of 64 bytes in the arena, so typed views are aligned."""
@@ -95,7 +95,7 @@ class HostCopy:
             self._free.put(self._slot)
 
 
-class HostSnapshot:
+class HostSnapshot(StagedAtOnce):
     """A :class:`HostCopy` of every tensor of a state; its :class:`StagedTensor` list (with the
     state's key paths) is built on first use, on the worker thread."""
 
