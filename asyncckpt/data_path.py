@@ -41,6 +41,4 @@ class Backend:
 
     def close(self) -> None:
         self.stager.close()
-        close = getattr(self.encoder, "close", None)
-        if close is not None:
-            close()
+        self.encoder.close()

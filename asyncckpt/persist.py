@@ -86,10 +86,7 @@ def blob_checksum(blob: EncodedBlob) -> Checksum:
 def encode_all(encoder: Encoder, snapshot: Snapshot) -> Iterator[EncodedBlob]:
     """The blobs of ``snapshot.tensors`` in order. An encoder with ``encode_snapshot`` (the GPU
     pipeline) compresses in batches, ahead of the writer; any other encodes one tensor at a time."""
-    by_snapshot = getattr(encoder, "encode_snapshot", None)
-    if by_snapshot is not None:
-        return iter(by_snapshot(snapshot))
-    return (encoder.encode(t.data, t.dtype, t.key) for t in snapshot.tensors)
+    return iter(encoder.encode_snapshot(snapshot))
 
 
 @dataclass
@@ -123,7 +120,7 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
         writer = storage.open_writer(path)
         try:
             records, codecs = [], Counter[str]()
-            per_tensor = delta if getattr(encoder, "encode_snapshot", None) is None else None
+            per_tensor = None if encoder.batched else delta
             if per_tensor is not None:
                 per_tensor.exclude_duplicates(t.key for t in snapshot.tensors)
             blobs = encode_all(encoder, snapshot) if per_tensor is None else iter(())
@@ -184,7 +181,7 @@ def begin_delta(delta: DeltaWriter | None, job: SaveJob, encoder: Encoder) -> De
     if delta is None:
         return None
     session = delta.begin(job.step, full=job.full, staging_bytes=job.snapshot.staging_bytes)
-    if getattr(encoder, "encode_snapshot", None) is not None:
+    if encoder.batched:
         handoff = getattr(job.snapshot, "delta", None)
         if handoff is None:  # a snapshot built elsewhere: compressed without deltas
             delta.invalidate()  # nothing recorded this save: the next one cannot refer to it

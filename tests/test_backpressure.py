@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 import asyncckpt
-from asyncckpt.codecs import EncodedBlob, Encoder
+from asyncckpt.codecs import EncodedBlob, Encoder, PerTensorEncoder
 
 
-class GatedEncoder:
+class GatedEncoder(PerTensorEncoder):
     """Wraps the real encoder and holds the worker until the test opens the gate."""
 
     def __init__(self, inner: Encoder) -> None:

@@ -11,6 +11,7 @@ import torch
 from conftest import run_python
 
 import asyncckpt
+from asyncckpt.codecs import PerTensorEncoder
 
 _EXIT_WITHOUT_CLOSE = """
 import sys, torch, asyncckpt
@@ -34,7 +35,7 @@ def test_dropping_a_busy_checkpointer_warns(run_dir: Path) -> None:
     gate = threading.Event()
     inner = ckpt._backend.encoder
 
-    class Held:
+    class Held(PerTensorEncoder):
         name = inner.name
 
         def encode(self, raw: torch.Tensor, dtype: torch.dtype, key: str):  # type: ignore[no-untyped-def]

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError, gpu_extra_hint
-from .base import CPU_CODECS, GPU_ONLY_CODECS, Decoder, EncodedBlob, Encoder
+from .base import CPU_CODECS, GPU_ONLY_CODECS, Decoder, EncodedBlob, Encoder, PerTensorEncoder
 from .deflate import DeflateDecoder
 from .lz4 import Lz4Decoder
 from .none import NoneCodec
 from .zstd import ZstdCodec
 
-__all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "ZstdCodec", "get_decoder", "register_decoder",
-           "GPU_ONLY_CODECS", "CPU_CODECS", "MAX_EXPANSION", "check_expansion"]  # fmt: skip
+__all__ = ["Decoder", "EncodedBlob", "Encoder", "NoneCodec", "PerTensorEncoder", "ZstdCodec", "get_decoder",
+           "register_decoder", "GPU_ONLY_CODECS", "CPU_CODECS", "MAX_EXPANSION", "check_expansion"]  # fmt: skip
 
 
 MAX_EXPANSION: dict[str, tuple[int, int]] = {"none": (1, 0), "zstd": (1 << 15, 0), "lz4": (256, 64),

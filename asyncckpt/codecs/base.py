@@ -12,11 +12,14 @@ serves the CPU codecs (host buffers) and nvCOMP (device buffers) alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..snapshot.base import Snapshot
 
 CPU_CODECS = ("none", "zstd", "lz4", "deflate")
 """Codec names a CPU-only machine can decode."""
@@ -50,6 +53,10 @@ class Encoder(Protocol):
     """Compresses tensors for one checkpointer; used by its worker thread only."""
 
     name: str
+    batched: bool
+    """True when :meth:`encode_snapshot` compresses a whole snapshot in batches ahead of the writer
+    and takes the delta decisions itself (the GPU pipeline); False when it encodes one tensor at a
+    time and the writer takes them (:class:`PerTensorEncoder`)."""
 
     def encode(self, raw: torch.Tensor, dtype: torch.dtype, key: str) -> EncodedBlob:
         """Encode ``raw`` (1-D uint8, the bytes of a tensor of ``dtype``) stored under ``key``.
@@ -57,6 +64,29 @@ class Encoder(Protocol):
         Runs on the checkpoint worker thread. ``raw`` must not be modified.
         """
         ...
+
+    def encode_snapshot(self, snapshot: Snapshot) -> Iterator[EncodedBlob]:
+        """The blobs of ``snapshot.tensors``, in order. Worker thread (the iterator is consumed there)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the encoder holds (threads, device memory). The checkpointer's close()."""
+        ...
+
+
+class PerTensorEncoder:
+    """The :class:`Encoder` parts every CPU codec shares: one tensor at a time, nothing to free."""
+
+    batched = False
+
+    def encode(self, raw: torch.Tensor, dtype: torch.dtype, key: str) -> EncodedBlob:
+        raise NotImplementedError
+
+    def encode_snapshot(self, snapshot: Snapshot) -> Iterator[EncodedBlob]:
+        return (self.encode(t.data, t.dtype, t.key) for t in snapshot.tensors)
+
+    def close(self) -> None:
+        pass
 
 
 class Decoder(Protocol):

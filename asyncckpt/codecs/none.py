@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from .base import EncodedBlob
+from .base import EncodedBlob, PerTensorEncoder
 
 
-class NoneCodec:
+class NoneCodec(PerTensorEncoder):
     """Encoder and decoder for ``"none"``; works on host and device buffers alike."""
 
     name = "none"

@@ -22,7 +22,7 @@ import zstandard
 from ..dtypes import FLOATING_NAMES, dtype_name
 from ..errors import CorruptCheckpointError
 from . import planes as byte_planes
-from .base import EncodedBlob
+from .base import EncodedBlob, PerTensorEncoder
 from .rawchunks import checked_planes, chunk_views
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -44,7 +44,7 @@ def _planes_for(dtype: torch.dtype) -> int:
     return dtype.itemsize if name in FLOATING_NAMES and dtype.itemsize > 1 else 1
 
 
-class ZstdCodec:
+class ZstdCodec(PerTensorEncoder):
     """Encoder and decoder for ``"zstd"`` (host buffers only)."""
 
     name = "zstd"

@@ -121,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
         with ReadProgress(f"write {manifest.step}", manifest.raw_bytes, counter="wchar"):
             result = persist(job, out_dir, encoder, storage, keep_last=None)
     finally:
-        close = getattr(encoder, "close", None)
-        if close is not None:
-            close()
+        encoder.close()
     print(
         f"wrote {result.path}: {len(tensors)} tensors, {result.raw_bytes} bytes raw, {result.stored_bytes} stored "
         f"({result.ratio:.3f}x; {', '.join(f'{k}: {v}' for k, v in sorted(result.codecs.items()))})"

@@ -146,6 +146,8 @@ class _Work:
 class GpuEncoder:
     """nvCOMP encoder of a GPU checkpointer; owns the compressor thread and its CUDA stream."""
 
+    batched = True  # encode_snapshot compresses in batches ahead of the writer and takes delta decisions
+
     def __init__(
         self,
         codec: str,
