@@ -126,6 +126,15 @@ def test_random_states_round_trip_through_a_chain(state: Any, full_every: int) -
             assert found is None, f"step {step}: {found}"
 
 
+def _rank_results(code: str, root: Path, tmp_path: Path) -> list[tuple[int, dict]]:
+    """Run ``code`` on two gloo ranks; each rank's last report, after checking every rank exited cleanly."""
+    results = []
+    for rank, (returncode, found, output) in enumerate(_run_ranks(code, root, tmp_path)):
+        assert returncode == 0 and found, output
+        results.append((rank, found[-1]))
+    return results
+
+
 _DISTRIBUTED = (
     _PRELUDE
     + """
@@ -152,10 +161,7 @@ report(steps=steps, equal=equal, versions={s: m.format_version for s, m in manif
 @pytest.mark.timeout(120)
 def test_distributed_ranks_refer_to_their_own_previous_data(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    results = _run_ranks(_DISTRIBUTED, root, tmp_path)
-    for rank, (code, found, output) in enumerate(results):
-        assert code == 0, output
-        out = found[-1]
+    for rank, out in _rank_results(_DISTRIBUTED, root, tmp_path):
         # Steps 4 (full) and 5 (its delta): keep_last=1 keeps 5 and the base it needs.
         assert out["steps"] == [4, 5], out
         assert all(out["equal"].values()), (rank, out)
@@ -204,10 +210,7 @@ report(**outcome, steps=[c.step for c in asyncckpt.list_checkpoints(root)])
 @pytest.mark.timeout(120)
 def test_a_rank_encoding_against_a_discarded_step_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    results = _run_ranks(_SKIPPED_DISCARD, root, tmp_path)
-    for rank, (code, found, output) in enumerate(results):
-        assert code == 0, output
-        out = found[-1]
+    for rank, out in _rank_results(_SKIPPED_DISCARD, root, tmp_path):
         assert "no longer the one it was encoded against" in out["first"], (rank, out)
         assert out["full"] is True and out["loads"] is True, (rank, out)
         assert out["steps"] == [1, out["saved"]], (rank, out)
