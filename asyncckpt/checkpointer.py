@@ -5,8 +5,8 @@ Threads:
 * the **training thread** calls :meth:`AsyncCheckpointer.save`; it validates the state,
   waits for an in-flight slot (backpressure), stages a snapshot and returns a
   :class:`SaveHandle` — no compression, no I/O;
-* one **worker thread** (``asyncckpt-worker``) persists snapshots in order
-  (:func:`asyncckpt.persist.persist`). It never issues collectives.
+* one **worker thread** (``asyncckpt-worker``) persists snapshots in order through the
+  checkpointer's :class:`~asyncckpt.persist.Committer`. It never issues collectives.
 
 Errors from the worker are never swallowed: the handle's ``result()`` raises them, and the
 checkpointer raises the first unreported one from the next ``save()``, ``wait()`` or
@@ -36,7 +36,7 @@ from .layout import MAX_STEP, checkpoint_name, latest_step
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .observer import GuardedObserver, NullObserver, SaveObserver
 from .options import resolve_options
-from .persist import SaveJob, persist
+from .persist import Committer, RunDirectory, SaveJob
 from .result import SaveResult
 from .retention import discard_steps_after, remove_stale_temporaries
 from .tree import flatten
@@ -57,14 +57,19 @@ class AsyncCheckpointer:
         preallocate_for: a state like the ones to be saved: its staging memory (pinned host
             blocks, a GPU arena) is allocated in the background from construction, so the first
             save allocates nothing (:meth:`preallocate`).
+        committer: how each save is committed (:class:`~asyncckpt.persist.Committer`); default
+            :class:`~asyncckpt.persist.RunDirectory` of ``directory``. The distributed and
+            integration checkpointers pass theirs.
         **options: any field of :class:`~asyncckpt.options.CheckpointOptions`
             (``keep_last``, ``max_inflight``, ``when_busy``, ``codec``, ``snapshot``, ...).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, observer: SaveObserver | None = None,
-                 registry: Any = None, preallocate_for: object = None, **options: Any) -> None:  # fmt: skip
+                 registry: Any = None, preallocate_for: object = None, committer: Committer | None = None,
+                 **options: Any) -> None:  # fmt: skip
         self.options = resolve_options(**options)
         self.directory = Path(directory)
+        self._committer = committer if committer is not None else RunDirectory(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in remove_stale_temporaries(self.directory):
             log.info("asyncckpt: removed %s, left by a process that died mid-save", stale)
@@ -284,12 +289,6 @@ class AsyncCheckpointer:
             raise error
 
     # ------------------------------------------------------------------ worker thread
-    def _persist(self, job: SaveJob) -> SaveResult:
-        """Write and commit one save. Worker thread; subclasses (distributed, integrations) override
-        this to commit elsewhere or with other ranks; they must not issue collectives here."""
-        return persist(job, self.directory, self._backend.encoder, self._backend.storage, self.options.keep_last,
-                       self._delta)  # fmt: skip
-
     def _run(self) -> None:
         while True:
             item = self._jobs.get()
@@ -297,7 +296,7 @@ class AsyncCheckpointer:
                 return
             job, handle = item
             try:
-                result = self._persist(job)
+                result = self._committer.persist(job, self._backend, self.options.keep_last)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread, never swallowed
                 error = SaveFailedError(
                     f"saving step {job.step} to {self.directory} failed: {type(exc).__name__}: {exc}. "

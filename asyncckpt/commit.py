@@ -1,5 +1,10 @@
 """How a fully written checkpoint becomes visible, atomically, and ``latest`` moves to it.
 
+:func:`commit_checkpoint` is the one commit step every save path runs once its data files are
+durable in a temporary directory (single-process and targeted saves in :mod:`asyncckpt.persist`,
+the distributed rank-0 commit, the DCP coordinator): extra files, the sealed manifest, then
+:func:`commit` (run directory: ``latest`` moves) or :func:`publish` (a path of the caller's).
+
 Why rename rather than a "commit" marker file: a directory rename is atomic on POSIX file
 systems, so a reader sees either no ``step-*`` directory or a complete one, and a crash at any
 moment leaves only a ``.tmp-*`` directory that every reader ignores. The ``latest`` pointer is
@@ -14,14 +19,76 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from .commit_points import reached
 from .errors import CheckpointError
-from .layout import COMMITTING, LATEST_NAME, fsync_dir, host_label, latest_pointer_file, move_aside
-from .manifest import MANIFEST_NAME
+from .layout import (
+    COMMITTING,
+    LATEST_NAME,
+    checkpoint_name,
+    fsync_dir,
+    host_label,
+    latest_pointer_file,
+    move_aside,
+    write_durably,
+)
+from .manifest import MANIFEST_NAME, Manifest, Reference, manifest_json, read_manifest
 
 log = logging.getLogger("asyncckpt")
+
+
+def commit_checkpoint(tmp_dir: Path, manifest: Manifest, final_dir: Path, *, files: Mapping[str, bytes] | None = None,
+                      point_latest: bool = True, replace: bool = False) -> bytes:  # fmt: skip
+    """Finish ``tmp_dir``, whose data files are durable, as the checkpoint ``final_dir``. Worker thread.
+
+    Writes ``files`` (small extra files, names already checked) and the sealed manifest, each
+    fsynced; a delta manifest is refused if its base is no longer the checkpoint it was encoded
+    against (:func:`check_base_present`). Then ``point_latest`` commits into a run directory
+    (:func:`commit`: ``latest`` moves, crash windows covered by the commit marker); otherwise
+    :func:`publish` renames it to the caller's path, ``replace`` allowing an older checkpoint
+    there to be replaced whole. Returns the manifest's bytes (the next delta refers to their
+    digest). On any error ``tmp_dir`` is removed and the error propagates: nothing became visible.
+    """
+    try:
+        for name, data in (files or {}).items():
+            write_durably(tmp_dir / name, data)
+        manifest_bytes = manifest_json(manifest, final_dir)  # sealed; refused if load() would refuse its size
+        if manifest.reference is not None:
+            check_base_present(final_dir.parent, manifest.reference, final_dir)
+        write_durably(tmp_dir / MANIFEST_NAME, manifest_bytes)
+        reached("manifest-written")
+        if point_latest:
+            commit(tmp_dir, final_dir)
+        else:
+            publish(tmp_dir, final_dir, replace=replace)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return manifest_bytes
+
+
+def check_base_present(root: Path, reference: Reference, final: Path) -> None:
+    """Raise CheckpointError unless the base of a delta checkpoint is still in ``root`` as written.
+
+    The reference store remembers the base it wrote; another process (a second checkpointer on the
+    same directory, a user deleting files) may have removed or replaced it since, and a checkpoint
+    whose base is gone would be reported saved and could not load. A deletion between this check
+    and the commit is not caught here (``load`` and ``verify`` still report it, naming the base).
+    """
+    base = root / checkpoint_name(reference.step)
+    try:
+        digest = read_manifest(base).digest
+    except (CheckpointError, OSError) as exc:
+        digest, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"its manifest digest is {digest}"
+    if digest != reference.manifest_sha256:
+        raise CheckpointError(
+            f"{final}: a delta against step {reference.step}, but that checkpoint is no longer the one it was encoded "
+            f"against ({why}); another process deleted or replaced it. Not committed; the next save is full"
+        )
 
 
 def commit(tmp_dir: Path, final_dir: Path) -> None:

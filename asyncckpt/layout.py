@@ -67,6 +67,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """Create ``path`` (never overwrite) holding ``data``, fsynced before this returns."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Committed checkpoints under ``directory``, oldest step first."""
     root = Path(directory)

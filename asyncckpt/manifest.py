@@ -142,7 +142,7 @@ def manifest_json(manifest: Manifest, where: str | Path) -> bytes:
     """``manifest``'s file bytes, or CheckpointError if :func:`read_manifest` would refuse their size.
 
     Every writer of a manifest (a save, a distributed part and commit, the DCP plugin) goes
-    through this or :func:`write_manifest`. Any thread.
+    through this (:func:`asyncckpt.commit.commit_checkpoint`, a distributed part). Any thread.
     """
     data = manifest.to_json()
     if len(data) > MAX_MANIFEST_BYTES:
@@ -151,18 +151,6 @@ def manifest_json(manifest: Manifest, where: str | Path) -> bytes:
             "accepts; not committed. Store fewer, larger tensors, or large str/bytes values as uint8 tensors"
         )
     return data
-
-
-def write_manifest(path: Path, manifest: Manifest, where: str | Path | None = None) -> None:
-    """Write ``manifest`` to the new file ``path`` and fsync it (not its directory). Worker thread.
-
-    ``where`` names the checkpoint in a size error (default: ``path``).
-    """
-    data = manifest_json(manifest, path if where is None else where)
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_manifest(checkpoint_dir: Path) -> Manifest:

@@ -1,9 +1,11 @@
 """Persist one snapshot as a committed checkpoint: compress, write, fsync, manifest, commit.
 
-Runs on the checkpoint worker thread, one snapshot at a time, so checkpoints commit in the
-order they were saved. No collectives run here. Either the whole checkpoint becomes visible
-(one directory rename) or, on any error, its temporary directory is removed and the previous
-checkpoint stays the latest.
+:func:`write_part` writes a snapshot's data file; a :class:`Committer` (the run directory's,
+a distributed rank's, an integration's) turns it into a checkpoint through
+:func:`asyncckpt.commit.commit_checkpoint`. Runs on the checkpoint worker thread, one snapshot
+at a time, so checkpoints commit in the order they were saved. No collectives run here.
+Either the whole checkpoint becomes visible (one directory rename) or, on any error, its
+temporary directory is removed and the previous checkpoint stays the latest.
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import checksum
 from ._version import __version__
 from .codecs import EncodedBlob, Encoder, NoneCodec
-from .commit import commit, publish
+from .commit import commit_checkpoint
 from .commit_points import reached
+from .data_path import Backend
 from .delta_encode import DeltaSave, DeltaWriter
 from .dtypes import dtype_name
-from .errors import CheckpointError
 from .layout import checkpoint_name, temporary_dir
-from .manifest import MANIFEST_NAME, Checksum, Manifest, Reference, TensorRecord, manifest_json, read_manifest
+from .manifest import MANIFEST_NAME, Checksum, Manifest, TensorRecord
 from .result import SaveResult
 from .retention import apply_retention
 from .snapshot import Snapshot
@@ -156,20 +158,38 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
     return WrittenPart(records=records, codecs=codecs, stage_seconds=stages)
 
 
-def persist(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, keep_last: int | None,
-            delta: DeltaWriter | None = None) -> SaveResult:  # fmt: skip
-    """Write ``job`` under ``root`` as ``step-NNNNNNNNNN``, commit it, apply retention. Worker thread.
+class Committer(Protocol):
+    """How the checkpointer's worker turns one save into a committed checkpoint.
 
-    ``delta``: the checkpointer's incremental-save state, or None for a full save; the caller
-    invalidates it if this raises.
+    The variants are passed to :class:`~asyncckpt.AsyncCheckpointer` rather than made by
+    overriding it: :class:`RunDirectory` (the default: ``step-N`` directories, ``latest``,
+    retention), the distributed rank commit (:class:`asyncckpt.distributed.protocol.RankCommitter`)
+    and the integrations' explicit paths (:class:`asyncckpt.integrations._targeted.TargetPaths`).
+    Each writes its data through :func:`write_part`, commits through
+    :func:`asyncckpt.commit.commit_checkpoint` and reports through :func:`job_result`.
+
+    ``persist`` runs on the worker thread, one save at a time, and issues no collectives. It raises
+    on failure (the checkpointer reports it and invalidates ``backend.delta``).
     """
-    final = root / checkpoint_name(job.step)
-    if not root.is_dir():  # deleted mid-run: every later save would fail without it
-        log.warning("asyncckpt: the run directory %s is gone; recreating it", root)
-        root.mkdir(parents=True, exist_ok=True)
-    result = persist_to(job, final, encoder, storage, delta=begin_delta(delta, job, encoder))
-    retain_quietly(root, keep_last, protect=final)
-    return result
+
+    def persist(self, job: SaveJob, backend: Backend, keep_last: int | None) -> SaveResult: ...
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    """Commit each save as ``root/step-NNNNNNNNNN``, point ``latest`` at it, then apply retention."""
+
+    root: Path
+
+    def persist(self, job: SaveJob, backend: Backend, keep_last: int | None) -> SaveResult:
+        final = self.root / checkpoint_name(job.step)
+        if not self.root.is_dir():  # deleted mid-run: every later save would fail without it
+            log.warning("asyncckpt: the run directory %s is gone; recreating it", self.root)
+            self.root.mkdir(parents=True, exist_ok=True)
+        delta = begin_delta(backend.delta, job, backend.encoder)
+        result = persist_to(job, final, backend.encoder, backend.storage, delta=delta)
+        retain_quietly(self.root, keep_last, protect=final)
+        return result
 
 
 def begin_delta(delta: DeltaWriter | None, job: SaveJob, encoder: Encoder) -> DeltaSave | None:
@@ -200,13 +220,11 @@ def retain_quietly(root: Path, keep_last: int | None, protect: Path) -> None:
 
 def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *, point_latest: bool = True,
                replace: bool = False, delta: DeltaSave | None = None) -> SaveResult:  # fmt: skip
-    """Write ``job`` into a temporary directory beside ``final`` and rename it to ``final``. Worker thread.
+    """Write ``job`` into a temporary directory beside ``final`` and commit it as ``final``. Worker thread.
 
-    ``point_latest`` also points ``final.parent/latest`` at it (the run-directory layout);
-    integrations that choose their own paths (Lightning, Hugging Face) turn it off. ``replace``
-    lets the new checkpoint take the place of an existing one at ``final`` (never half-written:
-    see :func:`asyncckpt.commit.publish`). ``delta``: this save's incremental session (the
-    manifest refers to its base; its bytes become the next reference once committed).
+    ``point_latest`` and ``replace``: as for :func:`asyncckpt.commit.commit_checkpoint` (the
+    run-directory layout, or a path an integration chose). ``delta``: this save's incremental
+    session (the manifest refers to its base; its bytes become the next reference once committed).
     """
     tmp = temporary_dir(final.parent, job.step)
     try:
@@ -214,26 +232,17 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         reached("tmp-created")
         part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE, delta)
         reached("data-written")
-        began = time.perf_counter()
-        for name, data in job.files.items():
-            write_durably(tmp / name, data)
-        manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
-                            tensors=part.records, structure=job.skeleton, metadata=job.metadata,
-                            io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
-        manifest_bytes = manifest_json(manifest, final)
-        if manifest.reference is not None:
-            check_base_present(final.parent, manifest.reference, final)
-        write_durably(tmp / MANIFEST_NAME, manifest_bytes)
-        reached("manifest-written")
-        if point_latest:
-            commit(tmp, final)
-        else:
-            publish(tmp, final, replace=replace)
-        commit_seconds = time.perf_counter() - began
     except BaseException:
         # The snapshot is released by write_part, or by the checkpointer's worker if it failed earlier.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    began = time.perf_counter()
+    manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
+                        tensors=part.records, structure=job.skeleton, metadata=job.metadata,
+                        io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
+    manifest_bytes = commit_checkpoint(tmp, manifest, final, files=job.files, point_latest=point_latest,
+                                       replace=replace)  # fmt: skip
+    commit_seconds = time.perf_counter() - began
     if delta is not None:
         delta.committed(job.step, manifest_bytes, manifest.is_delta)
     return job_result(job, final, part, storage.io_mode, commit_seconds)
@@ -242,48 +251,28 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
 def job_result(job: SaveJob, final: Path, part: WrittenPart | None, io_mode: str, commit_seconds: float) -> SaveResult:
     """The :class:`SaveResult` of a committed ``job`` whose part (None: this process wrote none) is in ``final``.
 
-    The one place a checkpointer's result is assembled, for the single-process and the
-    distributed paths alike. Call it right after the commit: it reads the clock for
-    ``durable_seconds``. Worker thread.
+    Call it right after the commit: it reads the clock for ``durable_seconds``. Worker thread.
     """
-    records = part.records if part is not None else []
     stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}), "commit": commit_seconds}
+    return save_result(job.step, final, part, io_mode, stages=stages, stall_seconds=job.stall_seconds,
+                       gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(), started=job.started,
+                       snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason)  # fmt: skip
+
+
+def save_result(step: int, final: Path, part: WrittenPart | None, io_mode: str, *, stages: dict[str, float],
+                stall_seconds: float, gpu_idle_seconds: float, started: float, snapshot_mode: str,
+                snapshot_reason: str = "") -> SaveResult:  # fmt: skip
+    """The one place a :class:`SaveResult` is assembled: the checkpointers (through :func:`job_result`)
+    and the DCP plugin's writer. ``started`` is the ``time.perf_counter()`` the save began at;
+    ``durable_seconds`` runs from it to this call. Any thread."""
+    records = part.records if part is not None else []
     return SaveResult(
-        step=job.step, path=final, raw_bytes=sum(r.raw_bytes for r in records),
-        stored_bytes=sum(r.stored_bytes for r in records), stall_seconds=job.stall_seconds, stage_seconds=stages,
-        io_mode=io_mode, snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason,
-        codecs=dict(part.codecs) if part is not None else {}, durable_seconds=time.perf_counter() - job.started,
-        gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(),
+        step=step, path=final, raw_bytes=sum(r.raw_bytes for r in records),
+        stored_bytes=sum(r.stored_bytes for r in records), stall_seconds=stall_seconds, stage_seconds=stages,
+        io_mode=io_mode, snapshot_mode=snapshot_mode, snapshot_reason=snapshot_reason,
+        codecs=dict(part.codecs) if part is not None else {}, durable_seconds=time.perf_counter() - started,
+        gpu_idle_seconds=gpu_idle_seconds,
     )  # fmt: skip
-
-
-def check_base_present(root: Path, reference: Reference, final: Path) -> None:
-    """Raise CheckpointError unless the base of a delta checkpoint is still in ``root`` as written.
-
-    The reference store remembers the base it wrote; another process (a second checkpointer on the
-    same directory, a user deleting files) may have removed or replaced it since, and a checkpoint
-    whose base is gone would be reported saved and could not load. A deletion between this check
-    and the commit is not caught here (``load`` and ``verify`` still report it, naming the base).
-    """
-    base = root / checkpoint_name(reference.step)
-    try:
-        digest = read_manifest(base).digest
-    except (CheckpointError, OSError) as exc:
-        digest, why = None, f"{type(exc).__name__}: {exc}"
-    else:
-        why = f"its manifest digest is {digest}"
-    if digest != reference.manifest_sha256:
-        raise CheckpointError(
-            f"{final}: a delta against step {reference.step}, but that checkpoint is no longer the one it was encoded "
-            f"against ({why}); another process deleted or replaced it. Not committed; the next save is full"
-        )
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def check_extra_files(files: dict[str, bytes] | None) -> dict[str, bytes]:

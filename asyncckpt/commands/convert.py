@@ -32,10 +32,11 @@ import torch
 from ..backend import cpu_encoder
 from ..codecs import Encoder
 from ..errors import CheckpointError
+from ..layout import checkpoint_name
 from ..loader import load
 from ..manifest import Manifest, read_manifest
 from ..options import CODEC_NAMES, CheckpointOptions
-from ..persist import SaveJob, persist
+from ..persist import SaveJob, persist_to
 from ..snapshot import StagedAtOnce, StagedTensor, bytes_view
 from ..storage import PosixStorage, Storage
 from ..tree import flatten
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         # The bar counts toward the raw size; compressed output ends short of it, and the bar then fills.
         with ReadProgress(f"write {manifest.step}", manifest.raw_bytes, counter="wchar"):
-            result = persist(job, out_dir, encoder, storage, keep_last=None)
+            result = persist_to(job, out_dir / checkpoint_name(manifest.step), encoder, storage)
     finally:
         encoder.close()
     print(

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from ..checkpointer import AsyncCheckpointer
 from ..handle import SaveHandle
 from ..observer import SaveObserver
-from ..persist import SaveJob
-from ..result import SaveResult
 from .group import resolve_rank_info
 from .loader import load_rank
-from .protocol import RankContext, persist_rank, remove_other_sessions
+from .protocol import RankCommitter, RankContext, remove_other_sessions
 
 log = logging.getLogger("asyncckpt")
 
@@ -67,7 +66,8 @@ class DistributedCheckpointer(AsyncCheckpointer):
         writers = (0,) if replicated else tuple(range(info.world_size))
         self.context = RankContext(rank=info.rank, world_size=info.world_size, session=info.session,
                                    writers=writers, commit_timeout_seconds=timeout)  # fmt: skip
-        super().__init__(directory, observer=observer, registry=registry, **options)
+        super().__init__(directory, observer=observer, registry=registry,
+                         committer=RankCommitter(Path(directory), self.context), **options)  # fmt: skip
         if info.rank == 0:
             for stale in remove_other_sessions(self.directory, info.session):
                 log.info("asyncckpt: removed %s, left by an earlier run of this job", stale)
@@ -95,7 +95,3 @@ class DistributedCheckpointer(AsyncCheckpointer):
     def load(self, step: int | str = "latest", map_location: Any = None) -> Any:
         """This rank's part of checkpoint ``step`` (rank 0's for a replicated save). Calling thread."""
         return load_rank(self.directory, self.context.rank, step=step, map_location=map_location)
-
-    def _persist(self, job: SaveJob) -> SaveResult:
-        return persist_rank(job, self.directory, self._backend.encoder, self._backend.storage, self.context,
-                            self.options.keep_last, self._delta)  # fmt: skip

@@ -1,6 +1,6 @@
 """The commit protocol of a distributed save, coordinated through the shared checkpoint directory.
 
-Every rank's worker thread runs :func:`persist_rank` for the same step, in any order and at any
+Every rank's worker thread runs :meth:`RankCommitter.persist` for the same step, in any order and at any
 speed. Nothing here talks to a process group: the ranks see each other only through files in
 the run directory, which all ranks must share (the same requirement as
 ``torch.distributed.checkpoint.FileSystemWriter``)::
@@ -40,22 +40,14 @@ from typing import Any
 
 from .._version import __version__
 from ..codecs import Encoder
-from ..commit import commit, finish_interrupted_commit
+from ..commit import commit_checkpoint, finish_interrupted_commit
 from ..commit_points import reached
-from ..delta_encode import DeltaSave, DeltaWriter
+from ..data_path import Backend
+from ..delta_encode import DeltaSave
 from ..errors import CheckpointError
-from ..layout import checkpoint_name, fsync_dir, is_commit_marker, pointer_reaches
+from ..layout import checkpoint_name, fsync_dir, is_commit_marker, pointer_reaches, write_durably
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
-from ..persist import (
-    SaveJob,
-    WrittenPart,
-    begin_delta,
-    check_base_present,
-    job_result,
-    retain_quietly,
-    write_durably,
-    write_part,
-)
+from ..persist import SaveJob, WrittenPart, begin_delta, job_result, retain_quietly, write_part
 from ..result import SaveResult
 from ..storage import Storage
 
@@ -99,39 +91,47 @@ def abort_marker(root: Path, step: int, session: str) -> Path:
     return root / f".abort-{checkpoint_name(step)}-{session}"
 
 
-def persist_rank(job: SaveJob, root: Path, encoder: Encoder, storage: Storage, ctx: RankContext,
-                 keep_last: int | None, delta: DeltaWriter | None = None) -> SaveResult:  # fmt: skip
-    """Write this rank's part of ``job`` and take part in the commit. Checkpoint worker thread.
+@dataclass(frozen=True)
+class RankCommitter:
+    """The :class:`~asyncckpt.persist.Committer` of a distributed checkpointer: this rank's part of
+    each save under ``root``, committed by rank 0 once every writer's part is durable."""
 
-    No collectives: coordination is by files only (module docstring). Raises
-    :class:`RankFailedError` on every rank when any rank fails or times out. ``delta``: this
-    rank's incremental-save state (its records refer to its own records of the previous committed
-    step); the caller invalidates it if this raises, which every rank sees for a failed save.
-    """
-    tmp = temporary_dir(root, job.step, ctx.session)
-    part: WrittenPart | None = None
-    session = begin_delta(delta, job, encoder) if ctx.rank in ctx.writers else None
-    try:
-        if ctx.rank in ctx.writers:
-            part = _write_own_part(job, root, tmp, encoder, storage, ctx, session)
+    root: Path
+    ctx: RankContext
+
+    def persist(self, job: SaveJob, backend: Backend, keep_last: int | None) -> SaveResult:
+        """Write this rank's part of ``job`` and take part in the commit. Checkpoint worker thread.
+
+        No collectives: coordination is by files only (module docstring). Raises
+        :class:`RankFailedError` on every rank when any rank fails or times out. With the delta
+        option each rank's records refer to its own records of the previous committed step; the
+        checkpointer invalidates ``backend.delta`` if this raises, which every rank sees for a failed save.
+        """
+        root, ctx = self.root, self.ctx
+        tmp = temporary_dir(root, job.step, ctx.session)
+        part: WrittenPart | None = None
+        session = begin_delta(backend.delta, job, backend.encoder) if ctx.rank in ctx.writers else None
+        try:
+            if ctx.rank in ctx.writers:
+                part = _write_own_part(job, root, tmp, backend.encoder, backend.storage, ctx, session)
+            else:
+                job.snapshot.release()  # a replica rank stages nothing and writes nothing
+        except BaseException as exc:
+            _report_failure(root, tmp, job.step, ctx, f"{type(exc).__name__}: {exc}")
+            raise
+        began = time.perf_counter()
+        if ctx.rank == 0:
+            final = _commit_as_rank0(job, root, tmp, backend.storage, ctx)
+            retain_quietly(root, keep_last, protect=final)  # committed: cleanup problems are warnings
+            with contextlib.suppress(OSError):
+                _sweep_aborted(root, ctx.session)
         else:
-            job.snapshot.release()  # a replica rank stages nothing and writes nothing
-    except BaseException as exc:
-        _report_failure(root, tmp, job.step, ctx, f"{type(exc).__name__}: {exc}")
-        raise
-    began = time.perf_counter()
-    if ctx.rank == 0:
-        final = _commit_as_rank0(job, root, tmp, storage, ctx)
-        retain_quietly(root, keep_last, protect=final)  # committed: cleanup problems are warnings
-        with contextlib.suppress(OSError):
-            _sweep_aborted(root, ctx.session)
-    else:
-        final = _wait_for_commit(root, job.step, ctx)
-    if session is not None:
-        # As this rank sees the commit: the combined manifest, whose digest the next save refers to.
-        manifest = read_manifest(final)
-        session.committed(job.step, manifest.digest, manifest.is_delta)
-    return job_result(job, final, part, storage.io_mode, time.perf_counter() - began)
+            final = _wait_for_commit(root, job.step, ctx)
+        if session is not None:
+            # As this rank sees the commit: the combined manifest, whose digest the next save refers to.
+            manifest = read_manifest(final)
+            session.committed(job.step, manifest.digest, manifest.is_delta)
+        return job_result(job, final, part, backend.storage.io_mode, time.perf_counter() - began)
 
 
 def _write_own_part(job: SaveJob, root: Path, tmp: Path, encoder: Encoder, storage: Storage,
@@ -217,13 +217,9 @@ def _commit_as_rank0(job: SaveJob, root: Path, tmp: Path, storage: Storage, ctx:
     try:
         final = root / checkpoint_name(job.step)
         manifest = _combined_manifest(job, tmp, ctx, storage)
-        if manifest.reference is not None:
-            check_base_present(root, manifest.reference, final)
         for rank in ctx.writers:
             (tmp / part_file_name(rank)).unlink()
-        write_durably(tmp / MANIFEST_NAME, manifest_json(manifest, final))
-        reached("manifest-written")
-        commit(tmp, final)
+        commit_checkpoint(tmp, manifest, final)
     except BaseException as exc:
         _abort(root, tmp, job.step, ctx, f"rank 0 could not commit: {type(exc).__name__}: {exc}")
         raise

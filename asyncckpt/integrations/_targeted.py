@@ -20,11 +20,46 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpointer import AsyncCheckpointer
+from ..data_path import Backend
 from ..errors import CheckpointError
 from ..handle import SaveHandle
 from ..persist import SaveJob, check_extra_files, persist_to
 from ..result import SaveResult
 from ..retention import delete_checkpoint_dir
+
+
+class TargetPaths:
+    """The :class:`~asyncckpt.persist.Committer` of a :class:`TargetedCheckpointer`: save number ``n``
+    goes to the path :meth:`assign` gave it, replacing an older checkpoint there whole.
+
+    :meth:`assign` and :meth:`numbers_for` on the training thread, :meth:`persist` on the worker.
+    """
+
+    def __init__(self) -> None:
+        self._targets: dict[int, tuple[Path, dict[str, bytes]]] = {}
+        self._lock = threading.Lock()
+
+    def assign(self, number: int, target: Path, files: dict[str, bytes]) -> None:
+        with self._lock:
+            self._targets[number] = (target, files)
+
+    def forget(self, number: int) -> None:
+        with self._lock:
+            self._targets.pop(number, None)
+
+    def numbers_for(self, target: Path) -> list[int]:
+        """The save numbers going to ``target`` that are not yet committed or failed."""
+        with self._lock:
+            return [n for n, (p, _) in self._targets.items() if p == target]
+
+    def persist(self, job: SaveJob, backend: Backend, keep_last: int | None) -> SaveResult:
+        with self._lock:
+            target, files = self._targets[job.step]
+        job.files = files
+        try:
+            return persist_to(job, target, backend.encoder, backend.storage, point_latest=False, replace=True)
+        finally:  # only now: wait_for() must see this save until it is committed or failed
+            self.forget(job.step)
 
 
 class TargetedCheckpointer(AsyncCheckpointer):
@@ -41,11 +76,10 @@ class TargetedCheckpointer(AsyncCheckpointer):
                 "path of its own, which the framework may delete or replace, so no checkpoint can be another's base; "
                 "they always write full checkpoints. Drop the delta option"
             )
-        # Explicitly off, so an ASYNCCKPT_DELTA set for the whole job does not apply here either.
-        super().__init__(directory, **{**kwargs, "delta": "off"})
+        self._targets = TargetPaths()
         self._counter = itertools.count(1)
-        self._targets: dict[int, tuple[Path, dict[str, bytes]]] = {}
-        self._target_lock = threading.Lock()
+        # Explicitly off, so an ASYNCCKPT_DELTA set for the whole job does not apply here either.
+        super().__init__(directory, committer=self._targets, **{**kwargs, "delta": "off"})
 
     def save_to(self, path: str | os.PathLike[str], state: object, *, metadata: dict[str, Any] | None = None,
                 files: dict[str, bytes] | None = None) -> SaveHandle:  # fmt: skip
@@ -58,36 +92,21 @@ class TargetedCheckpointer(AsyncCheckpointer):
         extra = check_extra_files(files)
         target.parent.mkdir(parents=True, exist_ok=True)
         number = next(self._counter)
-        with self._target_lock:
-            self._targets[number] = (target, extra)
+        self._targets.assign(number, target, extra)
         try:
             return self.save(number, state, metadata=metadata)
         except BaseException:
-            with self._target_lock:
-                self._targets.pop(number, None)
+            self._targets.forget(number)
             raise
 
     def wait_for(self, path: str | os.PathLike[str]) -> None:
         """Wait until no save to ``path`` is in flight (raises the first unreported failure)."""
-        target = Path(path).absolute()
-        with self._target_lock:
-            numbers = [n for n, (p, _) in self._targets.items() if p == target]
+        numbers = self._targets.numbers_for(Path(path).absolute())
         with self._lock:
             handles = [self._inflight[n] for n in numbers if n in self._inflight]
         for handle in handles:
             handle.wait()
         self._raise_unreported()
-
-    def _persist(self, job: SaveJob) -> SaveResult:
-        with self._target_lock:
-            target, files = self._targets[job.step]
-        job.files = files
-        try:
-            return persist_to(job, target, self._backend.encoder, self._backend.storage, point_latest=False,
-                              replace=True)  # fmt: skip
-        finally:  # only now: wait_for() must see this save until it is committed or failed
-            with self._target_lock:
-                self._targets.pop(job.step, None)
 
 
 def remove_checkpoint_dir(path: str | os.PathLike[str]) -> None:

@@ -62,13 +62,13 @@ from torch.futures import Future
 from .._version import __version__
 from ..backend import build_backend
 from ..checkpointer import _default_observer
-from ..commit import publish
+from ..commit import commit_checkpoint
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..loader import load_tensors
-from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest, write_manifest
+from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest
 from ..observer import GuardedObserver, NullObserver, SaveObserver, notify_load_finished
 from ..options import resolve_options
-from ..persist import write_part
+from ..persist import save_result, write_part
 from ..result import SaveResult
 from ..snapshot import StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
@@ -193,13 +193,10 @@ class AsyncCkptWriter(StorageWriter):
             for item, record in zip(plan.items, part.records, strict=True)
         ]  # fmt: skip
         stall = sum(e.stall_seconds for e in claimed)
-        result = SaveResult(
-            step=_step_of(self._final()), path=self._final(), raw_bytes=sum(r.raw_bytes for r in part.records),
-            stored_bytes=sum(r.stored_bytes for r in part.records), stall_seconds=stall,
-            stage_seconds=dict(part.stage_seconds), io_mode=self._backend.storage.io_mode,
-            snapshot_mode=self._backend.snapshot_mode, codecs=dict(part.codecs),
-            durable_seconds=time.perf_counter() - started, gpu_idle_seconds=stall,
-        )  # fmt: skip
+        result = save_result(_step_of(self._final()), self._final(), part, self._backend.storage.io_mode,
+                             stages=dict(part.stage_seconds), stall_seconds=stall, gpu_idle_seconds=stall,
+                             started=started, snapshot_mode=self._backend.snapshot_mode,
+                             snapshot_reason=self._backend.snapshot_reason)  # fmt: skip
         if self.is_coordinator:
             self._pending = result  # reported once the commit is done (or failed), in finish()
         else:
@@ -229,10 +226,9 @@ class AsyncCkptWriter(StorageWriter):
                                 tensors=records, structure=structure,
                                 metadata={DCP_KEY: encode_metadata(metadata, items), "world_size": len(results)},
                                 io_mode=self._backend.storage.io_mode)  # fmt: skip
-            write_manifest(tmp / MANIFEST_NAME, manifest, final)  # sealed, and refused if load() would refuse its size
-            publish(tmp, final, replace=self.overwrite)
+            commit_checkpoint(tmp, manifest, final, point_latest=False, replace=self.overwrite)
         except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # also when the plan was refused before the commit step
             self.observer.save_failed(exc, 0)
             raise
         if self._pending is not None:
