@@ -3,14 +3,12 @@
 Two algorithms, named in the manifest next to each value:
 
 ``crc32``
-    zlib's CRC-32 of the stored bytes; what the CPU path writes (~2 GB/s on one core, and
-    zlib releases the GIL).
+    zlib's CRC-32 of the stored bytes; what both paths write (here with zlib, ~2 GB/s on one
+    core, releasing the GIL; on the GPU with nvCOMP, :mod:`asyncckpt.gpu.checksum`).
 ``mix64``
-    Sum modulo 2**64 of a splitmix64 finaliser applied to every little-endian 64-bit word
-    XOR-ed with its position (the tail zero-padded), XOR the byte length. Every word is
-    independent, so a GPU computes it with one elementwise kernel and one reduction at memory
-    speed; that is what the GPU path writes. The host version here lets a CPU-only machine
-    verify GPU-written checkpoints.
+    Read only: what the GPU path wrote until 2026-12-05. Sum modulo 2**64 of a splitmix64
+    finaliser applied to every little-endian 64-bit word XOR-ed with its position (the tail
+    zero-padded), XOR the byte length.
 
 Neither is cryptographic: they detect corruption, not tampering (a manifest is trusted to be
 the writer's, but never trusted to be well-formed).
@@ -60,7 +58,7 @@ HOST_ALGORITHMS: dict[str, Callable[[np.ndarray], str]] = {"crc32": crc32_host, 
 def compute(algorithm: str, buf: torch.Tensor) -> str:
     """Checksum of a 1-D uint8 buffer as a hex string. Host buffers only; runs on the caller's thread."""
     if buf.device.type != "cpu":
-        raise ValueError("host checksum of a device buffer; the GPU path computes mix64 on the device")
+        raise ValueError("host checksum of a device buffer; asyncckpt.gpu.checksum computes crc32 on the device")
     return HOST_ALGORITHMS[algorithm](buf.numpy())
 
 

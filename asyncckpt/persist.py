@@ -77,11 +77,13 @@ _identity = NoneCodec()
 
 
 def blob_checksum(blob: EncodedBlob) -> Checksum:
-    """Checksum of the stored bytes, computed where they are (host: crc32; device: mix64 on the GPU)."""
+    """CRC-32 of the stored bytes: the encoder's, else computed where they are (host: zlib; device: nvCOMP)."""
+    if blob.crc32 is not None:
+        return Checksum("crc32", blob.crc32)
     if blob.data.is_cuda:
-        from .gpu.checksum import mix64_device  # only reachable when the GPU path produced the blob
+        from .gpu.checksum import crc32_device  # only reachable when the GPU path produced the blob
 
-        return Checksum("mix64", mix64_device(blob.data))
+        return Checksum("crc32", crc32_device(blob.data))
     return Checksum("crc32", checksum.compute("crc32", blob.data))
 
 

@@ -129,9 +129,9 @@ def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]
         kernels.copy_ranges(data.data_ptr() + n * 16, data.data_ptr() + (1 << 27) + n * 16, n * 0 + 16, device, own)
 
     def checksum() -> None:
-        from asyncckpt.gpu.checksum import mix64_device
+        from asyncckpt.gpu.checksum import crc32_device
 
-        mix64_device(data)
+        crc32_device(data)
 
     path = scratch / "probe.bin"
     kv = kvikio()
@@ -173,7 +173,7 @@ def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]
 
 def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
     from asyncckpt.gpu import batch
-    from asyncckpt.gpu.checksum import mix64_device
+    from asyncckpt.gpu.checksum import crc32_device
     from asyncckpt.gpu.specs import CodecSpec
 
     device = torch.device("cuda")
@@ -195,7 +195,7 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
 
         def checksum_loop() -> None:
             while not stop.is_set():
-                mix64_device(data)
+                crc32_device(data)
                 time.sleep(0.02)
 
         return checksum_loop

@@ -114,3 +114,42 @@ def copy_bandwidth(device: torch.device, total_bytes: int) -> dict[str, Any]:
         del src
     del dst_host
     return out
+
+
+def checksum_bandwidth(device: torch.device, total_bytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """CRC-32 throughput where each path computes it: nvCOMP on ``device`` (one buffer, and the same
+    bytes as 64 blobs in one batch, as the pipeline issues it), and zlib on one host core. Best of
+    ``repeats`` (the GPU is otherwise idle here; the best pass is the kernel's speed)."""
+    import zlib
+
+    from asyncckpt.gpu import native
+    from asyncckpt.gpu.checksum import crc32_device
+
+    data = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=device)
+    blobs = 64
+    piece = total_bytes // blobs
+    addresses = data.data_ptr() + np.arange(blobs, dtype=np.int64) * piece
+    sizes = np.full(blobs, piece, dtype=np.int64)
+
+    def timed(run: Any) -> float:
+        run()  # warm: the heuristic configuration and the first launch
+        seconds = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - began)
+        return total_bytes / min(seconds)
+
+    host = data[: 256 << 20].cpu().numpy()
+    host_seconds = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        zlib.crc32(host.data)
+        host_seconds.append(time.perf_counter() - began)
+    return {
+        "nvcomp_crc32_one_buffer_bytes_per_second": timed(lambda: crc32_device(data)),
+        "nvcomp_crc32_batch_of_64_bytes_per_second": timed(lambda: native.crc32(addresses, sizes, stream).values()),
+        "zlib_crc32_host_bytes_per_second": host.size / min(host_seconds),
+        "buffer_bytes": total_bytes,
+    }

@@ -43,6 +43,9 @@ class EncodedBlob:
     delta: str | None = None
     """None, or the :data:`~asyncckpt.delta_ops.DELTA_OPS` op whose output the chunks encode: the
     record's ``delta`` (format version 4; set by :mod:`asyncckpt.delta_encode`, never by a codec)."""
+    crc32: str | None = None
+    """zlib's CRC-32 of :attr:`data` as 8 hex digits, when the encoder computed it where the bytes
+    were made (the GPU pipeline, one batched launch per group); None: the writer computes it."""
 
     @property
     def stored_bytes(self) -> int:

@@ -8,8 +8,8 @@ Map (the data path, in order):
   :mod:`.batch` (one nvCOMP call over many chunks), :mod:`.planes`, :mod:`.specs`, :mod:`.auto`;
 * :mod:`.storage` — KvikIO writes and reads (GPUDirect Storage or compat mode), the pinned
   sequential reader restores use in compat mode;
-* :mod:`.restore` and :mod:`.decoders` — loading onto the GPU; :mod:`.checksum` — mix64 on the device;
-* :mod:`.kernels` — the CUDA kernels torch lacks (mix64 sum, batched range copy, plane split
+* :mod:`.restore` and :mod:`.decoders` — loading onto the GPU; :mod:`.checksum` — CRC-32 on the device (nvCOMP);
+* :mod:`.kernels` — the CUDA kernels torch lacks (batched range copy, plane split
   and join), compiled with CuPy's NVRTC at first use;
 * :mod:`.backend` — assembles the above for a checkpointer; :mod:`.deps` — the lazy imports.
 

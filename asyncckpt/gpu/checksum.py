@@ -1,27 +1,29 @@
-"""The ``mix64`` checksum computed on the GPU (see :mod:`asyncckpt.checksum` for the definition).
+"""Checksums of blobs in GPU memory: CRC-32 through nvCOMP, the same value as ``zlib.crc32``.
 
-Same value as :func:`asyncckpt.checksum.mix64_host`, bit for bit: one pass of the
-``mix64_words`` kernel (:mod:`asyncckpt.gpu.kernels`) sums the finalised words, the size is
-XORed in on the host.
+The GPU path writes ``crc32`` like the CPU path, so any reader (``zlib``, a CPU-only machine)
+checks a GPU-written checkpoint without a GPU; nvCOMP 6's batched CRC-32
+(``nvcompBatchedCRC32Async``, :func:`asyncckpt.gpu.native.crc32`) computes it where the bytes
+are. Checkpoints written before this (``mix64``) are verified on the host
+(:func:`asyncckpt.checksum.mix64_host`), after a device-to-host copy.
 
-Streams: the kernel runs on a private per-device stream, so a checksum never queues behind
-the training kernels on the default stream; the caller must pass a buffer whose contents are
-already complete (its producing stream synchronized, as the pipeline does before it checksums).
-The calling thread blocks until the value is on the host.
+Streams: the checksum runs on a private per-device stream, so it never queues behind training's
+kernels on the default stream; the caller passes a buffer whose contents are already complete
+(its producing stream synchronized, as the pipeline does before it checksums). The calling
+thread blocks, without the GIL, until the value is on the host.
 
-On a GPU with no memory left (the kernel needs one small result block, and a misaligned buffer a
-copy), the checksum is computed on the host from a device-to-host copy instead: slower, never a
-failed save.
+Without nvCOMP 6's library, or on a GPU with no memory left for the small tables, the value
+is computed on the host from a device-to-host copy: slower, never a failed save.
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
-from ..checksum import mix64_host
-from .kernels import mix64_sum
+from ..checksum import crc32_host
+from . import native
 
 _streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
@@ -35,24 +37,24 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[index]
 
 
-def mix64_device(buf: torch.Tensor) -> str:
-    """The mix64 checksum of a 1-D uint8 CUDA tensor, as 16 hex digits.
+def crc32_device(buf: torch.Tensor) -> str:
+    """The CRC-32 of a 1-D uint8 CUDA tensor, as 8 hex digits (``zlib.crc32``'s value).
 
     Blocks the calling thread until the value is known; see the module docstring for streams.
     """
     if buf.device.type != "cuda" or buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ValueError(
-            f"mix64_device takes a 1-D uint8 CUDA tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            f"crc32_device takes a 1-D uint8 CUDA tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
         )
-    size = buf.numel()
-    if size == 0:
-        return f"{0:016x}"
+    if buf.numel() == 0:
+        return crc32_host(np.empty(0, np.uint8))
+    if not native.crc32_available():
+        return crc32_host(buf.cpu().numpy())
     stream = _stream(buf.device)
     try:
-        if buf.data_ptr() % 8:  # the kernel reads whole words: copy the (rare) misaligned buffer
-            with torch.cuda.stream(stream):
-                buf = buf.clone()
-        value = mix64_sum(buf, stream)
+        with torch.cuda.device(buf.device):
+            batch = native.crc32(np.array([buf.data_ptr()], np.int64), np.array([buf.numel()], np.int64), stream)
+        (value,) = batch.values()
     except torch.OutOfMemoryError:
-        return mix64_host(buf.cpu().numpy())
-    return f"{value ^ size:016x}"
+        return crc32_host(buf.cpu().numpy())
+    return f"{value:08x}"

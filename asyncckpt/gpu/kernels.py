@@ -3,9 +3,6 @@
 They run while training runs, so they are written to cost the GPU and the GIL as little as a
 launch (docs/benchmarks.md, "Why the GPU path is built this way", has the figures).
 
-``mix64_words``
-    The finalised-word sum of :func:`asyncckpt.checksum.mix64_host`, in one pass over the
-    buffer; the caller XORs in the size.
 ``copy_ranges``
     ``dst_ptrs[i][0:sizes[i]] = src_ptrs[i][0:sizes[i]]`` for every i, in one launch: one
     block column per range, 32-bit stores at any byte alignment.
@@ -14,9 +11,8 @@ launch (docs/benchmarks.md, "Why the GPU path is built this way", has the figure
     32-bit accesses to the plane rows.
 
 Compiled once per process with NVRTC through CuPy (part of the GPU extra) and launched through
-the driver on the stream the caller passes; nothing here waits for the GPU except :func:`mix64_sum`,
-which returns the value to the host. Any thread may call; CuPy's kernel objects are
-thread-safe once compiled, and compilation is guarded by a lock.
+the driver on the stream the caller passes; nothing here waits for the GPU. Any thread may call;
+CuPy's kernel objects are thread-safe once compiled, and compilation is guarded by a lock.
 """
 
 from __future__ import annotations
@@ -32,29 +28,6 @@ from .deps import cupy
 
 _SOURCE = r"""
 typedef unsigned long long u64;
-
-extern "C" __global__ void mix64_words(const unsigned char* buf, u64 nbytes, u64 first_word, u64* out) {
-    // buf is 8-byte aligned; the last word is zero-padded, as in the definition.
-    const u64 words = (nbytes + 7) / 8;
-    const u64* whole = (const u64*)buf;
-    u64 acc = 0;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        u64 w;
-        if (8 * i + 8 <= nbytes) {
-            w = whole[i];
-        } else {
-            w = 0;
-            for (u64 b = 8 * i; b < nbytes; ++b) w |= (u64)buf[b] << (8 * (b - 8 * i));
-        }
-        u64 x = (first_word + i) * 0x9E3779B97F4A7C15ULL ^ w;
-        x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ULL;
-        x ^= x >> 27; x *= 0x94D049BB133111EBULL;
-        x ^= x >> 31;
-        acc += x;
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
-}
 
 extern "C" __global__ void copy_ranges(const u64* src_ptrs, const u64* dst_ptrs, const u64* sizes) {
     // blockIdx.x: the range; blockIdx.y: this block's share of it.
@@ -119,7 +92,6 @@ extern "C" __global__ void join_planes(const unsigned char* src, unsigned char* 
 """
 
 _BLOCK = 256
-_MIX_BLOCKS = 2048
 _COPY_BLOCKS_PER_RANGE = 16
 _module: Any = None
 _lock = threading.Lock()
@@ -143,25 +115,6 @@ def _launch(name: str, stream: torch.cuda.Stream, grid: tuple[int, int], args: t
     cp.cuda.driver.launchKernel(
         function.ptr, grid[0], grid[1], 1, _BLOCK, 1, 1, 0, stream.cuda_stream, ctypes.addressof(pointers), 0
     )
-
-
-def mix64_sum(buf: torch.Tensor, stream: torch.cuda.Stream) -> int:
-    """Sum mod 2**64 of the finalised words of ``buf`` (1-D uint8, CUDA, 8-byte aligned start).
-
-    Enqueued on ``stream``; blocks the calling thread until the value is on the host.
-    """
-    if buf.data_ptr() % 8:
-        raise ValueError("mix64_sum needs an 8-byte aligned buffer")
-    words = -(-buf.numel() // 8)
-    grid = (max(1, min(_MIX_BLOCKS, -(-words // _BLOCK))), 1)
-    with torch.cuda.stream(stream):
-        # Allocated on `stream`: a block from the caller's stream's pool may still be in use by
-        # kernels queued there (training's), which this stream does not wait for.
-        total = torch.zeros(1, dtype=torch.int64, device=buf.device)
-        with torch.cuda.device(buf.device):
-            _launch("mix64_words", stream, grid, (buf.data_ptr(), buf.numel(), 0, total.data_ptr()))
-        stream.synchronize()  # waits without the GIL, so the training thread keeps launching
-        return int(total.item()) & 0xFFFFFFFFFFFFFFFF
 
 
 def copy_ranges(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, sizes: np.ndarray, device: torch.device,

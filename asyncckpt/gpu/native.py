@@ -70,6 +70,42 @@ class _BitcompOpts(ctypes.Structure):
     ]
 
 
+class _Crc32Spec(ctypes.Structure):
+    """``nvcompCRC32Spec_t`` (``include/nvcomp/crc32.h``): 32 bytes."""
+
+    _fields_ = [
+        ("poly", ctypes.c_uint32),
+        ("init", ctypes.c_uint32),
+        ("ref_in", ctypes.c_bool),
+        ("ref_out", ctypes.c_bool),
+        ("xorout", ctypes.c_uint32),
+        ("reserved", ctypes.c_char * 16),
+    ]
+
+
+class _Crc32KernelConf(ctypes.Structure):
+    """``nvcompCRC32KernelConf_t``: 32 bytes, filled by ``nvcompBatchedCRC32GetHeuristicConf``."""
+
+    _fields_ = [
+        ("kernel_kind", ctypes.c_int),
+        ("bytes_per_read", ctypes.c_int32),
+        ("blocks_per_msg", ctypes.c_int32),
+        ("reserved", ctypes.c_char * 20),
+    ]
+
+
+class _Crc32Opts(ctypes.Structure):
+    """``nvcompBatchedCRC32Opts_t``: 128 bytes."""
+
+    _fields_ = [("spec", _Crc32Spec), ("kernel_conf", _Crc32KernelConf), ("reserved", ctypes.c_char * 64)]
+
+
+_CRC32_ZLIB = dict(poly=0x04C11DB7, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
+"""nvCOMP's ``nvcompCRC32`` preset: CRC-32/ISO-HDLC, the value of ``zlib.crc32``."""
+_CRC32_ONLY_SEGMENT = 0
+"""``nvcompCRC32OnlySegment``: each chunk is a whole message."""
+
+
 class _Properties(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("cudart_version", ctypes.c_uint32)]
 
@@ -80,6 +116,9 @@ _ANS_TYPES = frozenset({"|u1", "|i1", "<f2", "<f4"})
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
+_wheel_library: ctypes.CDLL | None = None
+_wheel_loaded = False
+_crc_confs: dict[tuple[int, int, int], _Crc32KernelConf] = {}
 _bounds: dict[tuple[CodecSpec, int], int] = {}
 _temp_sizes: dict[tuple[CodecSpec, int, int, int, int], int] = {}
 
@@ -112,15 +151,31 @@ def _find_library() -> ctypes.CDLL | None:
 
 
 def _lib() -> ctypes.CDLL | None:
+    """The library compression goes through; None also under ``ASYNCCKPT_NVCOMP_PYTHON_ONLY``."""
     global _library, _loaded
     with _lock:
         if not _loaded:
             if os.environ.get("ASYNCCKPT_NVCOMP_PYTHON_ONLY", "").strip() not in ("", "0"):
                 _library = None  # for comparisons: every encode through nvCOMP's Python API
             else:
-                _library = _find_library()
+                _library = _wheel_lib()
             _loaded = True
         return _library
+
+
+def _wheel_lib() -> ctypes.CDLL | None:
+    """libnvcomp 6 whatever the comparison switch says: checksums have no Python-API twin."""
+    global _wheel_library, _wheel_loaded
+    if not _wheel_loaded:
+        _wheel_library = _find_library()
+        _wheel_loaded = True
+    return _wheel_library
+
+
+def crc32_available() -> bool:
+    """Whether :func:`crc32` can run here (nvCOMP 6's library found)."""
+    with _lock:
+        return _wheel_lib() is not None
 
 
 def available(spec: CodecSpec) -> bool:
@@ -138,7 +193,8 @@ def _opts(spec: CodecSpec) -> ctypes.Structure:
 
 
 def _call(name: str, *args: Any) -> None:
-    lib = _lib()
+    with _lock:
+        lib = _wheel_lib()
     assert lib is not None
     status = getattr(lib, name)(*args)
     if status != 0:
@@ -251,3 +307,72 @@ def encode(spec: CodecSpec, sources: np.ndarray, raw_sizes: np.ndarray, chunk_by
         host_results=host_results,
         keep_alive=[host_table, device_table, temp],
     )
+
+
+@dataclass
+class Crc32Batch:
+    """CRC-32 values of a batch of device buffers, in flight on one stream."""
+
+    count: int
+    done: torch.cuda.Event
+    host_results: torch.Tensor
+    """Pinned: ``count`` CRC values (uint32, stored as int64), then ``count`` statuses."""
+    keep_alive: list[Any] = field(default_factory=list)
+
+    def values(self) -> list[int]:
+        """The CRC-32 of every buffer, as ``zlib.crc32`` gives it; blocks (without the GIL) until computed."""
+        self.done.synchronize()
+        self.keep_alive.clear()
+        statuses = self.host_results[self.count :].numpy()
+        failed = np.flatnonzero(statuses)
+        if failed.size:
+            i = int(failed[0])
+            raise RuntimeError(f"nvCOMP CRC32: buffer {i} of {self.count} failed with status {statuses[i]}")
+        return [v & 0xFFFFFFFF for v in self.host_results[: self.count].tolist()]
+
+
+def _crc_conf(count: int, max_bytes: int, device_index: int) -> _Crc32KernelConf:
+    # nvCOMP's heuristic depends on the GPU, the chunk count and the largest chunk; a power-of-two
+    # bucket of the largest chunk keeps the cache small across saves of differently sized tensors.
+    bucket = 1 << max(0, max_bytes - 1).bit_length()
+    key = (count, bucket, device_index)
+    conf = _crc_confs.get(key)
+    if conf is None:
+        conf = _Crc32KernelConf()
+        _call("nvcompBatchedCRC32GetHeuristicConf", ctypes.c_void_p(None), ctypes.c_size_t(count), ctypes.byref(conf),
+              ctypes.c_size_t(bucket), ctypes.c_void_p(None))  # fmt: skip
+        with _lock:
+            _crc_confs[key] = conf
+    return conf
+
+
+def crc32(addresses: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream) -> Crc32Batch:
+    """Enqueue the CRC-32 (zlib's) of the device buffers at ``addresses`` (``sizes`` bytes) on ``stream``.
+
+    One nvCOMP launch for the whole batch; buffers need no alignment and may be empty. The
+    buffers must be complete in stream order on ``stream``. Nothing here waits for the GPU;
+    :meth:`Crc32Batch.values` does.
+    """
+    count = len(sizes)
+    conf = _crc_conf(count, int(sizes.max()) if count else 0, stream.device.index or 0)
+    opts = _Crc32Opts(spec=_Crc32Spec(**_CRC32_ZLIB), kernel_conf=conf)
+    with torch.cuda.stream(stream):
+        host_table = torch.empty(2 * count, dtype=torch.int64, pin_memory=True)
+        table = host_table.numpy()
+        table[:count] = addresses
+        table[count:] = sizes
+        # Device side: addresses, sizes, then the CRC values (uint32) and statuses (int32), count each.
+        device_table = torch.empty(2 * count, dtype=torch.int64, device=stream.device)
+        device_table.copy_(host_table, non_blocking=True)
+        outputs = torch.zeros(2 * count, dtype=torch.int32, device=stream.device)
+        base = device_table.data_ptr()
+        _call("nvcompBatchedCRC32Async", ctypes.c_void_p(base), ctypes.c_void_p(base + 8 * count),
+              ctypes.c_size_t(count), ctypes.c_void_p(outputs.data_ptr()), opts, ctypes.c_int(_CRC32_ONLY_SEGMENT),
+              ctypes.c_void_p(outputs.data_ptr() + 4 * count), ctypes.c_void_p(stream.cuda_stream))  # fmt: skip
+        host_results = torch.empty(2 * count, dtype=torch.int64, pin_memory=True)
+        # int32 -> int64 sign-extends a CRC above 2**31: values() masks it back to 32 bits.
+        host_results.copy_(outputs.to(torch.int64), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return Crc32Batch(count=count, done=done, host_results=host_results,
+                      keep_alive=[host_table, device_table, outputs])  # fmt: skip

@@ -55,7 +55,7 @@ from ..delta_encode import DeltaSave, DeltaWriter
 from ..delta_ops import DELTA_OPS, encode_delta
 from ..errors import CheckpointError
 from ..snapshot import Snapshot, StagedTensor
-from . import batch, kernels
+from . import batch, kernels, native
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .budget import GROUPS_IN_FLIGHT, plan_groups
 from .fence import FenceGate
@@ -564,7 +564,7 @@ class GpuEncoder:
                 self.chooser.chose(_delta_key(staged.key), staged.dtype, min(deltas, key=lambda o: o.stored).spec)
             settled.append((staged, candidates, best))
             chosen.append(best)
-        # Each blob starts 16-byte aligned in `packed` (the checksum kernel reads whole words);
+        # Each blob starts 16-byte aligned in `packed` (KvikIO's and the copies' fast paths);
         # its chunks follow back to back, exactly as they go to the file.
         starts, position = [], 0
         for option in chosen:
@@ -574,13 +574,15 @@ class GpuEncoder:
         spans = [(start, start + option.stored) for start, option in zip(starts, chosen, strict=True)]
         from_addresses, to_addresses, lengths = _copy_table(chosen, starts, packed.data_ptr())
         table_on_device = kernels.copy_ranges(from_addresses, to_addresses, lengths, self.device, self.stream)
+        checksums = _enqueue_crc32(packed, starts, [o.stored for o in chosen], self.stream)
         packed_done = torch.cuda.Event()
         packed_done.record(self.stream)
         packed_done.synchronize()  # KvikIO and the checksum read the packed bytes from other streams
         del table_on_device
+        crc32s = checksums.values() if checksums is not None else [None] * len(chosen)  # done: no further wait
         total = sum(o.stored for o in chosen)
         blobs: Group = []
-        for (index, staged), option, (start, end) in zip(work.items, chosen, spans, strict=True):
+        for (index, staged), option, (start, end), crc32 in zip(work.items, chosen, spans, crc32s, strict=True):
             sizes, lo, hi = option.pending.sizes(), option.first, option.end
             blobs.append(
                 (
@@ -591,6 +593,7 @@ class GpuEncoder:
                         params=option.spec.params(),
                         chunks=list(zip(sizes[lo:hi], option.pending.raw_sizes[lo:hi], strict=True)),
                         delta=option.delta,
+                        crc32=None if crc32 is None else f"{crc32:08x}",
                     ),
                 )
             )
@@ -605,6 +608,22 @@ class GpuEncoder:
                 _settle_delta(work.session, staged, candidates, best)
             _record_references(work.session, work.items, work.sources)
         return blobs, total, packed
+
+
+def _enqueue_crc32(packed: torch.Tensor, starts: list[int], sizes: list[int],
+                   stream: torch.cuda.Stream) -> native.Crc32Batch | None:  # fmt: skip
+    """The CRC-32 of every packed blob in one nvCOMP launch on ``stream``, behind the packing copy.
+
+    None when nvCOMP 6 is missing or the GPU has no room for the small tables: the writer then
+    checksums each blob itself (:func:`asyncckpt.persist.blob_checksum`).
+    """
+    if not starts or not native.crc32_available():
+        return None
+    try:
+        addresses = packed.data_ptr() + np.asarray(starts, dtype=np.int64)
+        return native.crc32(addresses, np.asarray(sizes, dtype=np.int64), stream)
+    except torch.OutOfMemoryError:
+        return None
 
 
 def _delta_key(key: str) -> str:

@@ -1,4 +1,4 @@
-"""Restore to the GPU: reads into device memory, mix64 verified on the device, nvCOMP decodes.
+"""Restore to the GPU: reads into device memory, CRC-32 verified on the device, nvCOMP decodes.
 
 Tensors land on their CUDA device without a round trip through host memory: KvikIO reads
 straight into device memory under GDS; in compat mode (no GDS) large sequential reads go
@@ -9,8 +9,8 @@ storage. Records of one codec spec in a window decode in one batched nvCOMP call
 
 Everything read is hostile input until checked: blobs must lie inside their file (checked
 before any read), checksums are verified before decoding, and every chunk must decode to
-exactly its recorded size. ``crc32`` blobs (written by the CPU path) are verified on the host,
-the only case where stored bytes cross to host memory.
+exactly its recorded size. ``crc32`` blobs are verified on the device (nvCOMP); only ``mix64``
+blobs (what the GPU path wrote until 2026-12-05) cross to host memory to be verified there.
 
 Delta checkpoints (format 4) restore through :func:`decode_chain_on_device`: this checkpoint's
 records and the base's counterparts of its delta records (recursively, as far as the chain
@@ -38,7 +38,7 @@ from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..manifest import Manifest, TensorRecord
 from ..read_layout import check_layout, destination, tensor_where
-from .checksum import mix64_device
+from .checksum import crc32_device
 from .decoders import DecodeItem, decode_many
 from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
 from .storage import DeviceBlobReader, configure_threads, open_device_reader
@@ -198,5 +198,5 @@ def _empty_tensor(record: TensorRecord, where: str, device: torch.device) -> tor
 
 def _verify(blob: torch.Tensor, record: TensorRecord, where: str) -> None:
     algorithm = checksum.check_algorithm(record.checksum.algorithm, where)
-    actual = mix64_device(blob) if algorithm == "mix64" and blob.is_cuda else checksum.compute(algorithm, blob.cpu())
+    actual = crc32_device(blob) if algorithm == "crc32" and blob.is_cuda else checksum.compute(algorithm, blob.cpu())
     checksum.verify_value(algorithm, record.checksum.value, actual, where)

@@ -6,6 +6,7 @@ an error that says so; ``convert`` makes them readable."""
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -151,8 +152,24 @@ def test_corruption_is_caught_on_the_device_and_names_tensor_and_file(run_dir: P
         byte = f.read(1)
         f.seek(record.offset + record.stored_bytes // 2)
         f.write(bytes([byte[0] ^ 0x40]))
-    with pytest.raises(asyncckpt.CorruptCheckpointError, match=rf"(?s){record.key}.*{record.file}.*mix64"):
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=rf"(?s){record.key}.*{record.file}.*crc32"):
         asyncckpt.load(run_dir)
+
+
+@pytest.mark.parametrize("snapshot", ["device", "fence", "host"])
+def test_every_gpu_written_blob_carries_zlibs_crc32_of_its_file_bytes(run_dir: Path, snapshot: str) -> None:
+    trainer = Trainer(width=128, layers=2)
+    trainer.step()
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot=snapshot, codec="auto") as ckpt:
+        path = ckpt.save(1, trainer.state()).result(60).path
+    manifest = read_manifest(path)
+    assert {r.codec for r in manifest.tensors} - {"none"}, "nothing was compressed on the GPU"
+    for record in manifest.tensors:
+        with open(path / record.file, "rb") as f:
+            f.seek(record.offset)
+            stored = f.read(record.stored_bytes)
+        assert record.checksum.algorithm == "crc32", record.key
+        assert record.checksum.value == f"{zlib.crc32(stored):08x}", record.key
 
 
 def test_a_cpu_written_checkpoint_restores_through_the_gpu(run_dir: Path) -> None:
