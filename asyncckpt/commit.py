@@ -24,15 +24,14 @@ from pathlib import Path
 
 from .commit_points import reached
 from .errors import CheckpointError
+from .files import fsync_dir, write_durably
 from .layout import (
     COMMITTING,
     LATEST_NAME,
     checkpoint_name,
-    fsync_dir,
     host_label,
     latest_pointer_file,
     move_aside,
-    write_durably,
 )
 from .manifest import MANIFEST_NAME, Manifest, Reference, manifest_json, read_manifest
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .manifest import MANIFEST_NAME, read_regular_file
+from .files import read_regular_file
+from .manifest import MANIFEST_NAME
 
 log = logging.getLogger("asyncckpt")
 
@@ -57,22 +58,6 @@ def checkpoint_name(step: int) -> str:
 
 def temporary_dir(root: Path, step: int) -> Path:
     return root / f".tmp-{checkpoint_name(step)}-{host_label()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Create ``path`` (never overwrite) holding ``data``, fsynced before this returns."""
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[CheckpointInfo]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 from .delta_ops import DELTA_OPS
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CorruptCheckpointError
+from .files import read_regular_file
 from .manifest_digest import DIGEST_FIELD, seal, unseal
 
 FORMAT_NAME = "asyncckpt"
@@ -167,28 +166,6 @@ def read_manifest(checkpoint_dir: Path) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     return parse_manifest(data, str(path))
-
-
-def read_regular_file(path: Path, limit: int) -> bytes:
-    """At most ``limit`` bytes of ``path``, which must be a regular file and not a symlink.
-
-    A FIFO would block a reader forever and a symlink to /dev/zero would fill its memory; a
-    symlink could also point outside the checkpoint. Raises OSError (FileNotFoundError if absent).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        chunks, left = [], limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:

@@ -45,7 +45,8 @@ from ..commit_points import reached
 from ..data_path import Backend
 from ..delta_encode import DeltaSave
 from ..errors import CheckpointError
-from ..layout import checkpoint_name, fsync_dir, is_commit_marker, pointer_reaches, write_durably
+from ..files import fsync_dir, write_durably
+from ..layout import checkpoint_name, is_commit_marker, pointer_reaches
 from ..manifest import MANIFEST_NAME, Manifest, Reference, TensorRecord, manifest_json, parse_manifest, read_manifest
 from ..persist import SaveJob, WrittenPart, begin_delta, job_result, retain_quietly, write_part
 from ..result import SaveResult
