@@ -97,3 +97,15 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(len(names))
+
+
+def test_loading_imports_only_the_codecs_the_checkpoint_names(tmp_path: Path) -> None:
+    script = f"""
+import sys, torch, asyncckpt
+with asyncckpt.AsyncCheckpointer({str(tmp_path)!r}, codec="zstd") as ckpt:
+    ckpt.save(1, {{"w": torch.randn(4096)}}).result(60)
+asyncckpt.load({str(tmp_path)!r})
+print(sorted(m for m in sys.modules if m.startswith(("asyncckpt.codecs.", "asyncckpt.gpu.decoders"))))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+    assert "lz4" not in out.stdout and "deflate" not in out.stdout and "gpu.decoders" not in out.stdout, out.stdout

@@ -11,19 +11,17 @@ returns only once its outputs are complete.
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..codecs.base import CPU_CODECS
 from ..errors import CorruptCheckpointError
 from . import batch
 from .planes import join_into, join_tensor_into, plane_stride
-from .specs import ALGORITHMS, CodecSpec, spec_from_manifest
+from .specs import CodecSpec, spec_from_manifest
 from .staging import aligned_offsets
 
 _local = threading.local()
@@ -198,14 +196,3 @@ class NvcompDecoder:
         decode_many(spec, [DecodeItem(blob.to(device), chunks, target, "blob")])
         if target is not out:
             out.copy_(target)
-
-
-def nvcomp_decoder_factories() -> dict[str, Callable[[], NvcompDecoder]]:
-    """A decoder factory per nvCOMP codec name the CPU cannot decode, for :mod:`asyncckpt.codecs`'s
-    registry (which imports this lazily); empty when the GPU path is not usable here."""
-    from .deps import gpu_path_available
-
-    if not gpu_path_available():
-        return {}
-    # The CPU decoders read the standard formats (zstd, lz4, deflate) without a GPU round trip.
-    return {name: functools.partial(NvcompDecoder, name) for name in ALGORITHMS if name not in CPU_CODECS}
