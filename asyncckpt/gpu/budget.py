@@ -121,11 +121,15 @@ def plan_staging(
     scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
     if requested in ("auto", "device"):
         arena = max(arena_bytes, device_bytes * slots)
-        if arena + scratch + window_bytes <= budget_bytes:
+        # The copy's compressor gets what the arena and the writer's window leave: smaller groups
+        # than a fence would use, so a state that fits the budget is copied rather than fenced.
+        copy_group = group_bytes_for(budget_bytes - arena - window_bytes)
+        copy_scratch = max(scratch_for(copy_group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
+        if arena + copy_scratch + window_bytes <= budget_bytes:
             why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
-            return StagingPlan("device", why, budget_bytes, group, 0, window_bytes)
+            return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes)
         why = (
-            f"a device copy needs {arena + scratch + window_bytes} bytes of GPU memory but "
+            f"a device copy needs {arena + copy_scratch + window_bytes} bytes of GPU memory but "
             f"gpu_staging_budget_bytes allows {budget_bytes}"
         )
     else:
