@@ -9,8 +9,9 @@ each round's best time per tree and the ratio of the second tree to the first::
 
     python3 benchmarks/flatten_time.py /path/to/old/tree /path/to/new/tree
 
-Two timings: ``flatten`` alone (the training thread's share in ``save()``) and ``flatten``
-followed by reading ``.skeleton`` and ``.keys`` (the whole walk, wherever it runs).
+Three timings: ``flatten`` alone (the training thread's share in ``save()``), ``flatten``
+followed by reading ``.skeleton`` and ``.keys`` (the whole walk, wherever it runs), and ``full``:
+``flatten`` of the same state with a ``torch.dtype`` beside it, which takes the full walk.
 ``--tiny`` is the smoke-test size. Runs on the calling thread, CPU only.
 """
 
@@ -48,8 +49,10 @@ def whole():
     flat = flatten(state)
     flat.skeleton, flat.keys
 
+# A torch.dtype is outside the fast path: this state takes the full walk.
+unusual = {**state, "dtype": torch.bfloat16}
 best(whole)  # warm up
-print(json.dumps({"flatten": best(lambda: flatten(state)), "whole": best(whole),
+print(json.dumps({"flatten": best(lambda: flatten(state)), "whole": best(whole), "full": best(lambda: flatten(unusual)),
                   "tensors": len(flatten(state).leaf_tensors), "module": __import__("asyncckpt").__file__}))
 """
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         for tree, results in zip(args.trees, runs, strict=True):
             results.append(_run(tree, args.layers, args.repeats))
     report = {"tensors": runs[0][0]["tensors"], "modules": [r[0]["module"] for r in runs]}
-    for measure in ("flatten", "whole"):
+    for measure in ("flatten", "whole", "full"):
         medians = [statistics.median(r[measure] for r in results) for results in runs]
         report[measure] = {"baseline_us": medians[0] * 1e6, "new_us": medians[1] * 1e6,
                            "ratio_new_over_baseline": medians[1] / medians[0]}  # fmt: skip
