@@ -43,7 +43,7 @@ from .errors import CorruptCheckpointError
 from .floats import float_from_text, float_text
 from .frame import Frame, Unusual, capture
 from .manifest import MAX_MANIFEST_BYTES
-from .walker import MAX_DEPTH, TensorTable, join, key_label, storable_int, too_deep, unsupported
+from .walker import CONTAINER_TAGS, MAX_DEPTH, TensorTable, join, key_label, storable_int, too_deep, unsupported
 
 __all__ = ["MAX_DEPTH", "FlatState", "TensorLeaf", "flatten", "unflatten"]
 
@@ -146,9 +146,10 @@ def _walk(state: object) -> FlatState:
 
     Runs on the training thread inside ``save()`` for states :func:`asyncckpt.frame.capture`
     does not take (other scalar and key types, deep nesting, anything refused), so it is still
-    written for speed: the common int and dict cases come first, and types are checked in the
-    order of :mod:`asyncckpt.walker`'s tables. Key paths are built as strings on the way down;
-    error messages use them as they are.
+    written for speed: exact ints and dicts are tested first, and the subclass checks only after
+    them. Which tensors are storable and which are one leaf, the limits and the error texts are
+    :mod:`asyncckpt.walker`'s, as in the fast capture. Key paths are built as strings on the way
+    down; error messages use them as they are.
 
     Raises:
         TypeError: for any object asyncckpt cannot store, naming its key path and type.
@@ -159,7 +160,7 @@ def _walk(state: object) -> FlatState:
     # escapes only add), so a state whose manifest load() would refuse is refused here instead.
     text_bytes = 0
     # Locals, not globals or attribute lookups, in the loops below.
-    tensor_type, ordered_dict, add_tensor = torch.Tensor, OrderedDict, table.add
+    tensor_type, ordered_dict, container_tags, add_tensor = torch.Tensor, OrderedDict, CONTAINER_TAGS, table.add
 
     def visit(obj: object, where: str, depth: int) -> dict[str, Any]:
         # Before the tensor case: unflatten() refuses any node deeper than MAX_DEPTH, tensors included.
@@ -171,7 +172,7 @@ def _walk(state: object) -> FlatState:
         if kind is int:  # ahead of the isinstance chain: optimizer param_groups list one per parameter
             return {"t": "int", "v": storable_int(obj, where)}  # type: ignore[arg-type]
         if kind is dict or kind is ordered_dict:
-            return visit_dict(obj, kind is ordered_dict, where, depth)  # type: ignore[arg-type]
+            return visit_dict(obj, kind, where, depth)  # type: ignore[arg-type]
         # bool before int: bool is a subclass of int.
         if isinstance(obj, bool):
             return {"t": "bool", "v": obj}
@@ -199,7 +200,7 @@ def _walk(state: object) -> FlatState:
             if isinstance(obj, torch.Size):
                 tag = "size"
             elif kind is list or kind is tuple:
-                tag = kind.__name__
+                tag = container_tags[kind]
             else:  # namedtuples and list subclasses would come back as another type
                 raise TypeError(unsupported(obj, where))
             return {"t": tag, "items": [visit(v, join(where, str(i)), depth + 1) for i, v in enumerate(obj)]}
@@ -215,7 +216,7 @@ def _walk(state: object) -> FlatState:
                 "binary data as a uint8 tensor (torch.frombuffer(data, dtype=torch.uint8)) instead"
             )
 
-    def visit_dict(obj: dict[Any, Any], ordered: bool, where: str, depth: int) -> dict[str, Any]:
+    def visit_dict(obj: dict[Any, Any], kind: type, where: str, depth: int) -> dict[str, Any]:
         if obj and depth >= MAX_DEPTH:  # its keys and values would lie deeper than MAX_DEPTH
             raise TypeError(too_deep(where))
         items: list[list[dict[str, Any]]] = []
@@ -240,7 +241,7 @@ def _walk(state: object) -> FlatState:
                 append([key_node, {"t": "tensor", "id": index}])
             else:
                 append([key_node, visit(value, path, depth + 1)])
-        return {"t": "odict" if ordered else "dict", "items": items}
+        return {"t": container_tags[kind], "items": items}
 
     def tensor_id(t: torch.Tensor, where: str) -> int:
         """The index of ``t`` among the leaves; a new leaf keeps ``where`` as its key."""
