@@ -38,11 +38,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
+from .dtypes import DTYPE_BY_NAME, dtype_name
 from .errors import CorruptCheckpointError
 from .floats import float_from_text, float_text
-from .frame import MAX_DEPTH, MAX_INT_BITS, Frame, Unusual, alias_index, capture
+from .frame import Frame, Unusual, capture
 from .manifest import MAX_MANIFEST_BYTES
+from .walker import CONTAINER_TAGS, MAX_DEPTH, TensorTable, join, key_label, storable_int, too_deep, unsupported
 
 __all__ = ["MAX_DEPTH", "FlatState", "TensorLeaf", "flatten", "unflatten"]
 
@@ -110,23 +111,6 @@ class FlatState:
                 self._frame = None
 
 
-def _key_label(key: object) -> str:
-    """A key's label in key paths: the base value's text, so an Enum key reads as its value."""
-    if isinstance(key, bool) or key is None:
-        return str(key)
-    if isinstance(key, int):
-        return int.__repr__(key)
-    if isinstance(key, float):
-        return float.__repr__(key)
-    if isinstance(key, str):
-        return str.__str__(key)
-    return repr(key)
-
-
-def _join(prefix: str, label: str) -> str:
-    return f"{prefix}/{label}" if prefix else label
-
-
 def flatten(state: object) -> FlatState:
     """Split ``state`` into a skeleton and its distinct tensors, with the cyclic GC paused.
 
@@ -162,28 +146,21 @@ def _walk(state: object) -> FlatState:
 
     Runs on the training thread inside ``save()`` for states :func:`asyncckpt.frame.capture`
     does not take (other scalar and key types, deep nesting, anything refused), so it is still
-    written for speed: about 1.3 microseconds per tensor on one CPU core, the dicts around them
-    included. Much of that is reading tensor attributes (each read is a call into C++, slower
-    on CUDA tensors), so the common case reads six from a CUDA tensor and no shape or stride.
-    Key paths are built as strings on the way down; error messages use them as they are.
+    written for speed: exact ints and dicts are tested first, and the subclass checks only after
+    them. Which tensors are storable and which are one leaf, the limits and the error texts are
+    :mod:`asyncckpt.walker`'s, as in the fast capture. Key paths are built as strings on the way
+    down; error messages use them as they are.
 
     Raises:
         TypeError: for any object asyncckpt cannot store, naming its key path and type.
     """
-    tensors: list[TensorLeaf] = []
+    table = TensorTable()
+    keys: list[str] = []
     # JSON characters the str and bytes values will take in the manifest (a lower bound for str:
     # escapes only add), so a state whose manifest load() would refuse is refused here instead.
     text_bytes = 0
-    # Alias detection in two steps, because the full key (data pointer, device kind, dtype,
-    # shape, stride) costs three more attribute reads and two tuples per tensor while nearly
-    # every tensor has an address of its own. ``index_by_ptr`` holds the first leaf at each
-    # address; only a later tensor at a known address builds full keys (``alias_index``).
-    index_by_ptr: dict[int, int] = {}
-    index_by_alias: dict[tuple[object, ...], int] = {}
     # Locals, not globals or attribute lookups, in the loops below.
-    tensor_type, strided, ordered_dict, known_dtypes, new_leaf = (
-        torch.Tensor, torch.strided, OrderedDict, NAME_BY_DTYPE, _new_leaf
-    )  # fmt: skip
+    tensor_type, ordered_dict, container_tags, add_tensor = torch.Tensor, OrderedDict, CONTAINER_TAGS, table.add
 
     def visit(obj: object, where: str, depth: int) -> dict[str, Any]:
         # Before the tensor case: unflatten() refuses any node deeper than MAX_DEPTH, tensors included.
@@ -193,14 +170,14 @@ def _walk(state: object) -> FlatState:
             return {"t": "tensor", "id": tensor_id(obj, where)}
         kind = type(obj)
         if kind is int:  # ahead of the isinstance chain: optimizer param_groups list one per parameter
-            return {"t": "int", "v": _storable_int(obj, where)}  # type: ignore[arg-type]
+            return {"t": "int", "v": storable_int(obj, where)}  # type: ignore[arg-type]
         if kind is dict or kind is ordered_dict:
-            return visit_dict(obj, kind is ordered_dict, where, depth)  # type: ignore[arg-type]
+            return visit_dict(obj, kind, where, depth)  # type: ignore[arg-type]
         # bool before int: bool is a subclass of int.
         if isinstance(obj, bool):
             return {"t": "bool", "v": obj}
         if isinstance(obj, int):
-            return {"t": "int", "v": _storable_int(int(obj), where)}
+            return {"t": "int", "v": storable_int(int(obj), where)}
         if isinstance(obj, float):
             return {"t": "float", "v": float_text(float(obj))}
         if isinstance(obj, str):
@@ -223,15 +200,11 @@ def _walk(state: object) -> FlatState:
             if isinstance(obj, torch.Size):
                 tag = "size"
             elif kind is list or kind is tuple:
-                tag = kind.__name__
+                tag = container_tags[kind]
             else:  # namedtuples and list subclasses would come back as another type
-                raise TypeError(_unsupported(obj, where or "<root>"))
-            return {"t": tag, "items": [visit(v, _join(where, str(i)), depth + 1) for i, v in enumerate(obj)]}
-        raise TypeError(_unsupported(obj, where or "<root>"))
-
-    def too_deep(where: str) -> str:
-        return (f"asyncckpt: state is nested deeper than {MAX_DEPTH} levels at {where or '<root>'!r} (load() refuses "
-                "deeper structures); flatten that part of the state")  # fmt: skip
+                raise TypeError(unsupported(obj, where))
+            return {"t": tag, "items": [visit(v, join(where, str(i)), depth + 1) for i, v in enumerate(obj)]}
+        raise TypeError(unsupported(obj, where))
 
     def count_text(size: int, where: str) -> None:
         nonlocal text_bytes
@@ -243,7 +216,7 @@ def _walk(state: object) -> FlatState:
                 "binary data as a uint8 tensor (torch.frombuffer(data, dtype=torch.uint8)) instead"
             )
 
-    def visit_dict(obj: dict[Any, Any], ordered: bool, where: str, depth: int) -> dict[str, Any]:
+    def visit_dict(obj: dict[Any, Any], kind: type, where: str, depth: int) -> dict[str, Any]:
         if obj and depth >= MAX_DEPTH:  # its keys and values would lie deeper than MAX_DEPTH
             raise TypeError(too_deep(where))
         items: list[list[dict[str, Any]]] = []
@@ -255,90 +228,30 @@ def _walk(state: object) -> FlatState:
                 count_text(len(key), where)
                 key_node, label = {"t": "str", "v": key}, key
             elif key_kind is int:
-                key_node, label = {"t": "int", "v": _storable_int(key, _join(where, "<key>"))}, str(key)
+                key_node, label = {"t": "int", "v": storable_int(key, join(where, "<key>"))}, str(key)
             elif isinstance(key, (tensor_type, dict, list, tuple)):
                 raise TypeError(f"asyncckpt: unsupported dict key {key!r} at {where or '<root>'!r}")
             else:
-                key_node, label = visit(key, _join(where, "<key>"), depth + 1), _key_label(key)
+                key_node, label = visit(key, join(where, "<key>"), depth + 1), key_label(key)
             path = f"{where}/{label}" if where else label
-            if not isinstance(value, tensor_type):
-                append([key_node, visit(value, path, depth + 1)])
-                continue
-            # Most values in a state are tensors in dicts, and nearly all of them are storable,
-            # non-empty and at an address not seen before: that case is tensor_id() inlined,
-            # with no call and each attribute read once. Anything else, every error included,
-            # goes to tensor_id(), which checks again in the same order and raises.
-            if (
-                path  # tensor_id() names an empty path "<root>"
-                and value.layout is strided
-                and value.dtype in known_dtypes
-                and (value.is_cuda or value.is_cpu)
-                and not value.is_nested
-                and value.numel()
-                and (ptr := value.data_ptr())
-                and ptr not in index_by_ptr
-            ):
-                index_by_ptr[ptr] = index = len(tensors)
-                tensors.append(new_leaf((path, value.detach() if value.requires_grad else value)))
+            if isinstance(value, tensor_type):  # the common value: tensor_id() inlined
+                index = add_tensor(value, path)
+                if index == len(keys):
+                    keys.append(path or "<root>")
+                append([key_node, {"t": "tensor", "id": index}])
             else:
-                index = tensor_id(value, path)
-            append([key_node, {"t": "tensor", "id": index}])
-        return {"t": "odict" if ordered else "dict", "items": items}
+                append([key_node, visit(value, path, depth + 1)])
+        return {"t": container_tags[kind], "items": items}
 
     def tensor_id(t: torch.Tensor, where: str) -> int:
-        """The index of ``t`` in ``tensors``, appending it unless it aliases an earlier leaf."""
-        where = where or "<root>"
-        if t.layout is not strided:
-            raise TypeError(f"asyncckpt: cannot store {t.layout} tensor at {where!r}; convert it with .to_dense()")
-        if t.is_nested:  # strided layout, but no single shape: staging it fails only later
-            raise TypeError(f"asyncckpt: cannot store a nested tensor at {where!r}; store its components "
-                            "(list(t.unbind())) or a padded tensor (t.to_padded_tensor(0.0)) instead")  # fmt: skip
-        dtype = t.dtype
-        if dtype not in known_dtypes:  # quantized and bit-packed dtypes are not in the table
-            raise TypeError(f"asyncckpt: cannot store a tensor of dtype {dtype} at {where!r}")
-        is_cuda = t.is_cuda
-        if not (is_cuda or t.is_cpu):
-            if t.is_meta:
-                raise TypeError(f"asyncckpt: tensor at {where!r} is on the meta device and has no data")
-            raise TypeError(f"asyncckpt: tensor at {where!r} is on {t.device}; only cpu and cuda are supported")
-        if t.numel() == 0:  # empty tensors share no data; never alias them (nor read their pointer)
-            return append_leaf(t, where)
-        ptr = t.data_ptr()
-        if not ptr:  # copying from it would read address 0: a crash, not an error
-            raise TypeError(
-                f"asyncckpt: tensor at {where!r} has {t.numel()} elements but no memory (its storage was freed, "
-                "as FSDP frees unsharded parameters); save the state while its storage is allocated"
-            )
-        first = index_by_ptr.get(ptr)
-        if first is None:
-            index_by_ptr[ptr] = len(tensors)
-            return append_leaf(t, where)
-        return alias_index(t, ptr, first, tensors[first].tensor, index_by_alias, lambda same: append_leaf(same, where))
-
-    def append_leaf(t: torch.Tensor, where: str) -> int:
-        tensors.append(new_leaf((where, t.detach() if t.requires_grad else t)))
-        return len(tensors) - 1
+        """The index of ``t`` among the leaves; a new leaf keeps ``where`` as its key."""
+        index = add_tensor(t, where)
+        if index == len(keys):
+            keys.append(where or "<root>")
+        return index
 
     skeleton = visit(state, "", 0)
-    return FlatState(skeleton=skeleton, tensors=tensors)
-
-
-def _storable_int(value: int, where: str) -> int:
-    if value.bit_length() > MAX_INT_BITS:
-        raise TypeError(
-            f"asyncckpt: cannot store an int of {value.bit_length()} bits at {where or '<root>'!r} (at most "
-            f"{MAX_INT_BITS}: the manifest holds ints as JSON numbers); store it as a string or bytes"
-        )
-    return value
-
-
-def _unsupported(obj: object, where: str) -> str:
-    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    return (
-        f"asyncckpt: cannot store object of type {kind} at {where!r}. Supported: tensors, dict/OrderedDict, "
-        "list/tuple, int, float, str, bool, None, bytes, torch.dtype, torch.device. Convert it (e.g. to a dict "
-        "of tensors), or keep it out of the checkpointed state."
-    )
+    return FlatState(skeleton, [_new_leaf(pair) for pair in zip(keys, table.tensors, strict=True)])
 
 
 def unflatten(skeleton: object, tensor_at: Callable[[int], torch.Tensor], where: str) -> Any:

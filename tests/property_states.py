@@ -137,7 +137,7 @@ def tied_difference(expected: Any, actual: Any) -> str | None:
     """None if every tensor object that occurs twice in ``expected`` is one object in ``actual`` too.
 
     Empty tensors excepted: they have no memory to share, and asyncckpt stores each occurrence
-    as its own leaf (``asyncckpt/frame.py``), so they come back as equal, separate tensors.
+    as its own leaf (``asyncckpt/walker.py``), so they come back as equal, separate tensors.
     """
     before, after = leaves_of(expected), leaves_of(actual)
     first: dict[int, int] = {}

@@ -119,6 +119,14 @@ def test_save_call_tiny(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("scratch-*")), "the scratch directory is left behind"
 
 
+def test_flatten_time_tiny_compares_two_trees() -> None:
+    proc = run_module("benchmarks/flatten_time.py", str(REPO), str(REPO), "--tiny")
+    report = json.loads(proc.stdout)
+    assert report["tensors"] == 32  # 4 layers x (weight, bias) x (the tensor, step, exp_avg, exp_avg_sq)
+    for measure in ("flatten", "whole", "full"):
+        assert report[measure]["baseline_us"] > 0 and report[measure]["ratio_new_over_baseline"] > 0
+
+
 def test_compression_tiny(tmp_path: Path) -> None:
     proc = run_module("-m", "benchmarks.compression", "--tiny", "--out", str(tmp_path), "--name", "c")
     report = json.loads((tmp_path / "c.json").read_text())

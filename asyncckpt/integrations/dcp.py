@@ -72,6 +72,7 @@ from ..persist import save_result, write_part
 from ..result import SaveResult
 from ..snapshot import StagedTensor, bytes_view
 from ..tree import FlatState, TensorLeaf
+from ..walker import map_state
 from . import _staging
 from ._dcp_metadata import DCP_KEY, decode_metadata, encode_metadata
 
@@ -536,13 +537,13 @@ class AsyncCkptStager(AsyncStager):
             )
         try:
             leaves: list[TensorLeaf] = []
-            skeleton = _collect(state_dict, "", leaves)
+            collected = _collect(state_dict, leaves)
             snapshot = self._backend.stager.stage(FlatState(skeleton={}, tensors=leaves))
         except BaseException:
             self._slots.release()
             raise
         views = [_typed_view(staged) for staged in snapshot.tensors]
-        staged_dict = _StagedDict(_rebuild(skeleton, views))
+        staged_dict = _StagedDict(_rebuild(collected, views))
         stall = time.perf_counter() - started
         with self._lock:
             self._inflight += 1
@@ -568,41 +569,45 @@ class _StagedDict(dict[str, Any]):
 
 
 class _Leaf:
+    """Where a tensor stood in the state dict: its index among the staged tensors, and the tensor."""
+
     def __init__(self, index: int, original: torch.Tensor) -> None:
         self.index, self.original = index, original
 
 
-def _collect(value: Any, key: str, leaves: list[TensorLeaf]) -> Any:
-    """Replace tensors by placeholders, collecting the memory to stage; deep-copy everything else."""
-    if isinstance(value, torch.Tensor):
-        local = _staging.local_tensor(value)
-        assert local is not None
-        leaves.append(TensorLeaf(key=key or "<root>", tensor=local.detach()))
-        return _Leaf(len(leaves) - 1, value)
-    if isinstance(value, dict):
-        return {k: _collect(v, f"{key}/{k}" if key else str(k), leaves) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        items = [_collect(v, f"{key}/{i}", leaves) for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    return copy.deepcopy(value)
+def _collect(state_dict: dict[str, Any], leaves: list[TensorLeaf]) -> Any:
+    """The state dict with a :class:`_Leaf` for each tensor, whose memory (a DTensor's local shard) joins ``leaves``.
+
+    Every other value is deep-copied: DCP pickles it later, on its save thread. Each occurrence
+    of a tensor is its own leaf (DCP plans one write item per key). Training thread.
+    """
+
+    def collect(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            local = _staging.local_tensor(value)
+            assert local is not None
+            leaves.append(TensorLeaf(key=where or "<root>", tensor=local.detach()))
+            return _Leaf(len(leaves) - 1, value)
+        return copy.deepcopy(value)
+
+    return map_state(state_dict, collect)
 
 
-def _rebuild(node: Any, views: list[torch.Tensor]) -> Any:
-    if isinstance(node, _Leaf):
-        view = views[node.index]
-        spec = getattr(node.original, "_spec", None)
+def _rebuild(collected: Any, views: list[torch.Tensor]) -> Any:
+    """The collected state dict with each :class:`_Leaf` replaced by its staged view (a DTensor again if it was one)."""
+
+    def rebuild(value: Any, where: str) -> Any:
+        if not isinstance(value, _Leaf):
+            return value
+        view = views[value.index]
+        spec = getattr(value.original, "_spec", None)
         if spec is not None:  # a DTensor: same mesh and placements, its local shard staged
             from torch.distributed.tensor import DTensor
 
             return DTensor(view, spec, requires_grad=False)
         return view
-    if isinstance(node, dict):
-        return {k: _rebuild(v, views) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_rebuild(v, views) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_rebuild(v, views) for v in node)
-    return node
+
+    return map_state(collected, rebuild)
 
 
 def _typed_view(staged: StagedTensor) -> torch.Tensor:
