@@ -4,12 +4,12 @@
 nvCOMP on GPU), writes (POSIX, or KvikIO/GPUDirect Storage), fsyncs and commits atomically.
 """
 
+from ._checkpointer import AsyncCheckpointer
+from ._handle import SaveHandle
+from ._layout import CheckpointInfo, latest_step, list_checkpoints
+from ._loader import VerifyReport, load, verify
 from ._version import __version__
-from .checkpointer import AsyncCheckpointer
 from .errors import CheckpointError, CorruptCheckpointError, MissingDependencyError, SaveFailedError
-from .handle import SaveHandle
-from .layout import CheckpointInfo, latest_step, list_checkpoints
-from .loader import VerifyReport, load, verify
 from .options import CheckpointOptions
 from .result import SaveResult
 

@@ -1,4 +1,4 @@
-"""The ``asyncckpt`` command line: one module per subcommand under :mod:`asyncckpt.commands`.
+"""The ``asyncckpt`` command line: one module per subcommand under :mod:`asyncckpt._commands`.
 
 Each module defines ``register(subparsers)``, which adds its parser and sets ``func`` to a
 callable taking the parsed arguments and returning an exit status. Add a command by adding a
@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"asyncckpt.commands.{name}")
+            module = importlib.import_module(f"asyncckpt._commands.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"asyncckpt.commands.{name}":
+            if exc.name != f"asyncckpt._commands.{name}":
                 raise
             continue  # a command whose module is not part of this build
         module.register(sub)

@@ -27,6 +27,6 @@ class MissingDependencyError(CheckpointError, ImportError):
 
 def gpu_extra_hint() -> str:
     """The pip lines that install the GPU extras, for error messages: the one matching torch's CUDA build first."""
-    from .install_hint import gpu_extra_hint as hint  # lazily: it imports torch
+    from ._install_hint import gpu_extra_hint as hint  # lazily: it imports torch
 
     return hint()

@@ -18,7 +18,7 @@ SnapshotMode = Literal["auto", "host", "device", "fence"]
 DeltaMode = Literal["off", "on", "auto"]
 DELTA_MODES = ("off", "on", "auto")
 MAX_DELTA_FULL_EVERY = 64
-"""The longest chain a reader follows (``asyncckpt.delta_chain.MAX_CHAIN_DEPTH``)."""
+"""The longest chain a reader follows (``asyncckpt._delta_chain.MAX_CHAIN_DEPTH``)."""
 
 CODEC_NAMES = ("auto", "none", "zstd", "lz4", "deflate", "ans", "gdeflate", "bitcomp", "cascaded")
 
@@ -43,13 +43,13 @@ class CheckpointOptions:
     gpu_staging_budget_bytes: int | None = None
     """GPU memory a save may use beyond the live state (arena, compressor scratch, compressed bytes
     kept on the GPU), in every mode; None means a quarter of the free GPU memory, re-read at every
-    save (:mod:`asyncckpt.gpu.budget`)."""
+    save (:mod:`asyncckpt._gpu.budget`)."""
     io_threads: int = 0
     """Parallel writer threads (KvikIO); 0 picks a default."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (plus the local rank); None serves nothing."""
     delta: DeltaMode = "off"
-    """Incremental checkpoints (docs/format.md, :mod:`asyncckpt.delta_encode`): ``off`` (every save
+    """Incremental checkpoints (docs/format.md, :mod:`asyncckpt._delta_encode`): ``off`` (every save
     full), ``on`` (a tensor is stored as a delta against the previous committed save whenever that
     is smaller; costs host memory for one raw copy of the state, within ``host_staging_budget_bytes``),
     ``auto`` (as ``on``, but keys whose delta does not pay are neither tried nor kept in memory until

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from asyncckpt.commands._progress import Progress as TerminalBar
+from asyncckpt._commands._progress import Progress as TerminalBar
 from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

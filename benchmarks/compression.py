@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncckpt.codecs import ZstdCodec, get_decoder
+from asyncckpt._codecs import ZstdCodec, get_decoder
 from asyncckpt.options import CODEC_NAMES
 
 from .common import (
@@ -169,7 +169,7 @@ def measure_encoder(name: str, encoder: Any, raw: torch.Tensor, dtype: torch.dty
 
 def library_encoders(device: torch.device) -> dict[str, Any]:
     """asyncckpt's encoder for every codec name, as its checkpointer would build it (or why it cannot)."""
-    from asyncckpt.backend import build_backend
+    from asyncckpt._backend import build_backend
     from asyncckpt.options import resolve_options
 
     snapshot = "device" if device.type == "cuda" else "host"

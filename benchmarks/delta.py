@@ -6,7 +6,7 @@ measures two things in one run.
 **Ratios** (``--intervals``, default 10,100,1000 steps): after ``--warmup`` steps the state is
 kept as the reference; at each interval after it, every tensor of each class (FP32 weights, the
 same weights as BF16, Adam's exp_avg and exp_avg_sq) is encoded by the library's ``auto`` encoder
-in full, as an XOR delta and as a zigzag integer difference (:mod:`asyncckpt.delta_ops`). Per
+in full, as an XOR delta and as a zigzag integer difference (:mod:`asyncckpt._delta_ops`). Per
 class it reports the ratio of each, the ratio when each tensor keeps its smallest form (what the
 delta mode stores), the order-0 entropy bound of the delta's byte planes (the ceiling for a coder
 that codes each plane's bytes on their own), and the delta path's throughput (transform + encode,
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import asyncckpt
-from asyncckpt.delta_ops import DELTA_OPS, encode_delta
+from asyncckpt._delta_ops import DELTA_OPS, encode_delta
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
 from .common import (

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncckpt.gpu.budget import MAX_GROUP_BYTES
-from asyncckpt.gpu.pipeline import GpuEncoder
-from asyncckpt.snapshot.base import StagedTensor
-from asyncckpt.tree import flatten
+from asyncckpt._gpu.budget import MAX_GROUP_BYTES
+from asyncckpt._gpu.pipeline import GpuEncoder
+from asyncckpt._snapshot.base import StagedTensor
+from asyncckpt._tree import flatten
 
 from .common import Workload, WorkloadConfig
 

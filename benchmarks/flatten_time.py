@@ -27,7 +27,7 @@ import sys
 _WORKER = """
 import json, sys, time
 import torch
-from asyncckpt.tree import flatten
+from asyncckpt._tree import flatten
 
 layers, repeats = int(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0)

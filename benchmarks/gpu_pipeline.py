@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from asyncckpt import AsyncCheckpointer, load
-from asyncckpt.gpu import fence
-from asyncckpt.gpu.pipeline import GpuEncoder
-from asyncckpt.gpu.specs import ALGORITHMS
-from asyncckpt.snapshot import StagedAtOnce, StagedTensor
-from asyncckpt.tree import flatten
+from asyncckpt._gpu import fence
+from asyncckpt._gpu.pipeline import GpuEncoder
+from asyncckpt._gpu.specs import ALGORITHMS
+from asyncckpt._snapshot import StagedAtOnce, StagedTensor
+from asyncckpt._tree import flatten
 
 from .common import (
     Progress,

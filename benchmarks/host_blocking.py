@@ -80,9 +80,9 @@ def probe(name: str, call: Callable[[], Any], sleep_on: torch.cuda.Stream | None
 def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]:
     from nvidia import nvcomp
 
-    from asyncckpt.gpu import batch, kernels
-    from asyncckpt.gpu.deps import kvikio
-    from asyncckpt.gpu.specs import CodecSpec
+    from asyncckpt._gpu import batch, kernels
+    from asyncckpt._gpu.deps import kvikio
+    from asyncckpt._gpu.specs import CodecSpec
 
     device = torch.device("cuda")
     own, other = torch.cuda.Stream(), torch.cuda.Stream()
@@ -129,7 +129,7 @@ def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]
         kernels.copy_ranges(data.data_ptr() + n * 16, data.data_ptr() + (1 << 27) + n * 16, n * 0 + 16, device, own)
 
     def checksum() -> None:
-        from asyncckpt.gpu.checksum import crc32_device
+        from asyncckpt._gpu.checksum import crc32_device
 
         crc32_device(data)
 
@@ -172,9 +172,9 @@ def blocking_probes(sleep_ms: float, progress: Progress) -> list[dict[str, Any]]
 
 
 def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
-    from asyncckpt.gpu import batch
-    from asyncckpt.gpu.checksum import crc32_device
-    from asyncckpt.gpu.specs import CodecSpec
+    from asyncckpt._gpu import batch
+    from asyncckpt._gpu.checksum import crc32_device
+    from asyncckpt._gpu.specs import CodecSpec
 
     device = torch.device("cuda")
     data = torch.randn(128 << 20, device=device).view(torch.uint8)  # 512 MiB
@@ -236,7 +236,7 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
                 (scratch / "bg.bin").unlink(missing_ok=True)
 
         return pinned_loop
-    from asyncckpt.gpu.deps import kvikio
+    from asyncckpt._gpu.deps import kvikio
 
     kv = kvikio()
     scratch = Path(tempfile.mkdtemp(prefix="host-blocking-"))

@@ -122,8 +122,8 @@ def checksum_bandwidth(device: torch.device, total_bytes: int = 1 << 30, repeats
     ``repeats`` (the GPU is otherwise idle here; the best pass is the kernel's speed)."""
     import zlib
 
-    from asyncckpt.gpu import native
-    from asyncckpt.gpu.checksum import crc32_device
+    from asyncckpt._gpu import native
+    from asyncckpt._gpu.checksum import crc32_device
 
     data = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device=device)

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 import asyncckpt
+from asyncckpt._tree import flatten
 from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text, train_step
-from asyncckpt.tree import flatten
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

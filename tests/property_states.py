@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from asyncckpt.dtypes import DTYPE_BY_NAME, FLOATING_NAMES, dtype_name
-from asyncckpt.manifest import MANIFEST_NAME, read_manifest
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt._dtypes import DTYPE_BY_NAME, FLOATING_NAMES, dtype_name
+from asyncckpt._manifest import MANIFEST_NAME, read_manifest
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 from asyncckpt.testing.state_compare import first_difference
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
@@ -137,7 +137,7 @@ def tied_difference(expected: Any, actual: Any) -> str | None:
     """None if every tensor object that occurs twice in ``expected`` is one object in ``actual`` too.
 
     Empty tensors excepted: they have no memory to share, and asyncckpt stores each occurrence
-    as its own leaf (``asyncckpt/walker.py``), so they come back as equal, separate tensors.
+    as its own leaf (``asyncckpt/_walker.py``), so they come back as equal, separate tensors.
     """
     before, after = leaves_of(expected), leaves_of(actual)
     first: dict[int, int] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncckpt.alignment import align_up, aligned_offsets
+from asyncckpt._alignment import align_up, aligned_offsets
 
 
 def test_align_up_is_the_next_multiple() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import asyncckpt
-from asyncckpt.codecs import EncodedBlob, Encoder, PerTensorEncoder
+from asyncckpt._codecs import EncodedBlob, Encoder, PerTensorEncoder
 
 
 class GatedEncoder(PerTensorEncoder):

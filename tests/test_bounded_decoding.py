@@ -19,8 +19,8 @@ import zstandard
 from conftest import run_python
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal, seal_text
+from asyncckpt._manifest import MANIFEST_NAME
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal, seal_text
 
 Doc = dict[str, Any]
 

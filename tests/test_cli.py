@@ -11,7 +11,7 @@ from cli_env import cli_calls
 from conftest import run_python
 
 import asyncckpt
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
 CLI = "import sys; from asyncckpt.cli import main; sys.exit(main(sys.argv[1:]))"
 

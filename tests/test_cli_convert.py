@@ -13,7 +13,7 @@ import torch
 from cli_env import Tied, cli, cli_calls, saved_run
 
 import asyncckpt
-from asyncckpt.gpu.deps import gpu_path_installed
+from asyncckpt._gpu.deps import gpu_path_installed
 from asyncckpt.testing.state_compare import first_difference
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

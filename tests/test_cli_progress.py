@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cli_env import REPO, cli, saved_run
 
-from asyncckpt.commands._progress import Progress, ReadProgress
+from asyncckpt._commands._progress import Progress, ReadProgress
 
 
 def _with_terminal_stderr(*args: str | Path, module: str = "asyncckpt") -> tuple[int, str, str]:

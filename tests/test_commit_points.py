@@ -1,7 +1,7 @@
 """A process SIGKILLed at every point of the commit protocol leaves a directory that reads back consistently.
 
 Each case runs a real child process that saves two checkpoints, then SIGKILLs itself at one named
-point of the third save (:mod:`asyncckpt.commit_points`). The parent then checks what a restarted
+point of the third save (:mod:`asyncckpt._commit_points`). The parent then checks what a restarted
 job sees: ``latest_step()``, ``list_checkpoints()`` and ``load()`` agree, a new checkpointer removes
 every leftover, and the job resumes at ``latest_step() + 1``.
 """
@@ -19,14 +19,14 @@ import torch
 from conftest import run_python
 
 import asyncckpt
-from asyncckpt import commit_points
-from asyncckpt.layout import LATEST_NAME
+from asyncckpt import _commit_points as commit_points
+from asyncckpt._layout import LATEST_NAME
 
 _BEFORE_RENAME = ("tmp-created", "data-written", "manifest-written", "marker-written")
 
 _CHILD = """
 import os, signal, sys, torch, asyncckpt
-from asyncckpt import commit_points
+from asyncckpt import _commit_points as commit_points
 run, point = sys.argv[1], sys.argv[2]
 ckpt = asyncckpt.AsyncCheckpointer(run, keep_last=2)
 for step in (1, 2):
@@ -74,7 +74,7 @@ def test_sigkill_at_each_commit_point_reads_back_consistently_and_the_job_resume
 
 _TWO_RANKS = """
 import os, signal, sys, torch, asyncckpt
-from asyncckpt import commit_points
+from asyncckpt import _commit_points as commit_points
 from asyncckpt.distributed import DistributedCheckpointer
 run, point, session = sys.argv[1], sys.argv[2], sys.argv[3]
 ranks = [DistributedCheckpointer(run, rank=r, world_size=2, session=session, commit_timeout_seconds=30)
@@ -121,7 +121,7 @@ def test_a_distributed_job_killed_at_a_commit_point_reads_back_consistently(run_
 
 _RESTARTED = """
 import os, signal, sys, torch, asyncckpt
-from asyncckpt import commit_points
+from asyncckpt import _commit_points as commit_points
 run = sys.argv[1]
 ckpt = asyncckpt.AsyncCheckpointer(run)
 for step in (5, 10):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal, seal_text
+from asyncckpt._manifest import MANIFEST_NAME
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal, seal_text
 
 
 @pytest.fixture
@@ -178,12 +178,12 @@ def test_every_manifest_is_written_as_version_3_and_versions_1_and_2_are_still_r
     # Version 2 made a version-1 reader refuse tensor-wide planes (it would join them in the wrong
     # order behind a passing checksum); version 3 (the manifest digest) is written for every
     # manifest, planes_span included, and a reader of 1 and 2 refuses it.
-    from asyncckpt.manifest import TensorRecord, parse_manifest
+    from asyncckpt._manifest import TensorRecord, parse_manifest
 
     with asyncckpt.AsyncCheckpointer(tmp_path / "run") as ckpt:
         path = ckpt.save(1, {"w": torch.arange(16.0)}).result(60).path
     assert path is not None
-    manifest = asyncckpt.manifest.read_manifest(path)
+    manifest = asyncckpt._manifest.read_manifest(path)
     assert json.loads(manifest.to_json())["format_version"] == 3
     record = manifest.tensors[0]
     wide = TensorRecord(**{**record.__dict__, "codec": "ans", "codec_params": {"planes": 4, "planes_span": "tensor"}})

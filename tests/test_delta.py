@@ -13,7 +13,7 @@ from conftest import run_python
 from property_states import difference
 
 import asyncckpt
-from asyncckpt.manifest import read_manifest
+from asyncckpt._manifest import read_manifest
 
 
 def _trainer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -134,7 +134,7 @@ def test_a_corrupt_or_missing_base_fails_every_dependent(run_dir: Path) -> None:
 _FAILED_SAVE = """
 import json, resource, signal, sys, torch
 import asyncckpt
-from asyncckpt.manifest import read_manifest
+from asyncckpt._manifest import read_manifest
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 gen = torch.Generator().manual_seed(0)
 w = torch.randn(200_000, generator=gen)

@@ -16,8 +16,8 @@ from property_states import difference, states
 from test_distributed import _PRELUDE, _run_ranks
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME, read_manifest
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt._manifest import MANIFEST_NAME, read_manifest
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
 
 def _chain(root: Path, steps: int = 4) -> None:
@@ -79,7 +79,7 @@ def test_a_replaced_base_is_named_with_its_dependent(tmp_path: Path) -> None:
 
 
 def test_a_chain_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
-    from asyncckpt import delta_chain
+    from asyncckpt import _delta_chain as delta_chain
 
     _chain(tmp_path, steps=4)
     limit = delta_chain.MAX_CHAIN_DEPTH
@@ -139,7 +139,7 @@ _DISTRIBUTED = (
     _PRELUDE
     + """
 from asyncckpt.distributed import load_rank
-from asyncckpt.manifest import read_manifest
+from asyncckpt._manifest import read_manifest
 w = torch.linspace(0, 1, 30_000) * (rank + 1)
 saved = {}
 with DistributedCheckpointer(root, delta="on", delta_full_every=3, keep_last=1) as ckpt:
@@ -174,7 +174,7 @@ _SKIPPED_DISCARD = (
     _PRELUDE
     + """
 from asyncckpt.errors import SaveFailedError
-from asyncckpt.manifest import read_manifest
+from asyncckpt._manifest import read_manifest
 w = torch.linspace(0, 1, 30_000) * (rank + 1)
 outcome = {}
 with DistributedCheckpointer(root, delta="on", delta_full_every=10) as ckpt:

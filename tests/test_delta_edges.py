@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import asyncckpt
-import asyncckpt.delta_chain as delta_chain
+import asyncckpt._delta_chain as delta_chain
+from asyncckpt._layout import list_checkpoints
+from asyncckpt._manifest import read_manifest
 from asyncckpt.errors import CheckpointError, SaveFailedError
-from asyncckpt.layout import list_checkpoints
-from asyncckpt.manifest import read_manifest
 
 
 def _noise(n: int, seed: int = 0) -> torch.Tensor:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from property_states import DTYPES
 
-from asyncckpt.delta_ops import DELTA_OPS, decode_delta, element_width, encode_delta
+from asyncckpt._delta_ops import DELTA_OPS, decode_delta, element_width, encode_delta
 
 
 def _raw(data: bytes) -> torch.Tensor:

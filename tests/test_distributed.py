@@ -18,9 +18,9 @@ import torch
 from conftest import REPO
 
 import asyncckpt
+from asyncckpt._layout import LATEST_NAME, pointer_reaches
 from asyncckpt.distributed import DistributedCheckpointer, load_rank
-from asyncckpt.distributed.protocol import RankContext, _wait_for_commit
-from asyncckpt.layout import LATEST_NAME, pointer_reaches
+from asyncckpt.distributed._protocol import RankContext, _wait_for_commit
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 

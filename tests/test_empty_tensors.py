@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncckpt
+from asyncckpt._manifest import MANIFEST_NAME
 from asyncckpt.distributed import DistributedCheckpointer, load_rank
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
-from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.testing.state_compare import first_difference
 
 
@@ -51,7 +51,7 @@ def test_an_empty_blob_beyond_the_aligned_end_is_still_refused(run_dir: Path) ->
     with asyncckpt.AsyncCheckpointer(run_dir, codec="none") as ckpt:
         path = ckpt.save(1, _states()[0]).result().path
     assert path is not None
-    from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+    from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
     doc = json.loads((path / MANIFEST_NAME).read_bytes())
     del doc[DIGEST_FIELD]

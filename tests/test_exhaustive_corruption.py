@@ -26,7 +26,7 @@ import torch
 from property_states import difference
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt._manifest import MANIFEST_NAME
 
 
 def _small_state() -> dict[str, Any]:

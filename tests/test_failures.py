@@ -104,7 +104,7 @@ _WRITER_AFTER_A_FAILURE = (
     REFUSED_WRITES_PRELUDE
     + """
 import json, pathlib, sys, torch
-from asyncckpt.storage.posix import PosixBlobWriter
+from asyncckpt._storage.posix import PosixBlobWriter
 writer = PosixBlobWriter(pathlib.Path(sys.argv[1]))
 out = {}
 for name, call in (("big", lambda: writer.append(torch.ones(1 << 19))),  # 2 MiB > the 1 MiB limit

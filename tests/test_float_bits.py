@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt._manifest import MANIFEST_NAME
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
 BITS = [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000000001, 0xFFFFFFFFFFFFFFFF, 0x7FF0000000000001,
         0xFFF4000000000abc, 0x8000000000000000, 0x7FF0000000000000, 0xFFF0000000000000, 0x0000000000000001]  # fmt: skip

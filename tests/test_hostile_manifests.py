@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from property_states import PROFILE
 
 import asyncckpt
-from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
+from asyncckpt._manifest import MANIFEST_NAME
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
 _STATE = {"model": {"w": torch.linspace(-1, 1, 64), "b": torch.arange(3, dtype=torch.int16), "e": torch.empty(0)},
           "lr": 0.5, "name": "x", "ids": (1, [2, None]), "raw": b"\x00\x01", "dtype": torch.bfloat16}  # fmt: skip

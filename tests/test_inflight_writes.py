@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.storage import InflightWrites
-from asyncckpt.storage.posix import create_for_writing, pwrite_fully
+from asyncckpt._storage import InflightWrites
+from asyncckpt._storage.posix import create_for_writing, pwrite_fully
 
 
 def test_add_waits_for_the_oldest_writes_beyond_the_bound_and_keeps_the_newest_running(tmp_path: Path) -> None:

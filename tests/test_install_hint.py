@@ -11,9 +11,9 @@ import torch
 from cli_env import REPO
 from conftest import run_python
 
+from asyncckpt._gpu.deps import extra_for_torch, mismatched_distributions
+from asyncckpt._gpu.deps import gpu_extra_hint as hint_for
 from asyncckpt.errors import gpu_extra_hint
-from asyncckpt.gpu.deps import extra_for_torch, mismatched_distributions
-from asyncckpt.gpu.deps import gpu_extra_hint as hint_for
 
 
 @pytest.mark.parametrize(("cuda", "extra", "other"), [("13.0", "cu13", "cu12"), ("12.8", "cu12", "cu13")])
@@ -65,7 +65,7 @@ def test_missing_gpu_packages_raise_the_hint_for_this_torch() -> None:
     # A real import failure in a child interpreter (the packages blocked as if not installed).
     code = (
         "import sys; sys.modules['nvidia.nvcomp'] = None\n"
-        "from asyncckpt.gpu.deps import nvcomp\n"
+        "from asyncckpt._gpu.deps import nvcomp\n"
         "try:\n    nvcomp()\nexcept ImportError as exc:\n    print(exc)\n"
     )
     out = run_python(code).stdout

@@ -12,11 +12,11 @@ import torch
 from conftest import REPO
 
 import asyncckpt
-from asyncckpt.layout import LATEST_NAME
+from asyncckpt._layout import LATEST_NAME
 
 _PAUSED = """
 import sys, torch, asyncckpt
-from asyncckpt import commit_points
+from asyncckpt import _commit_points as commit_points
 run, point = sys.argv[1], sys.argv[2]
 ckpt = asyncckpt.AsyncCheckpointer(run, keep_last=1)
 ckpt.save(1, {"w": torch.ones(8)}).result()

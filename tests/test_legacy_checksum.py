@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.checksum import mix64_host
-from asyncckpt.manifest import MANIFEST_NAME, Checksum, read_manifest
+from asyncckpt._checksum import mix64_host
+from asyncckpt._manifest import MANIFEST_NAME, Checksum, read_manifest
 from asyncckpt.testing.state_compare import first_difference
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import run_python
 
 import asyncckpt
-from asyncckpt.codecs import PerTensorEncoder
+from asyncckpt._codecs import PerTensorEncoder
 
 _EXIT_WITHOUT_CLOSE = """
 import sys, torch, asyncckpt

@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt._manifest import MANIFEST_NAME  # noqa: E402
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal  # noqa: E402
 from asyncckpt.integrations.lightning import AsyncCkptIO, AsyncCkptLoadable, load_from_checkpoint  # noqa: E402
-from asyncckpt.manifest import MANIFEST_NAME  # noqa: E402
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning"),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.layout import LATEST_NAME
-from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt._layout import LATEST_NAME
+from asyncckpt._manifest import MANIFEST_NAME
 
 
 @pytest.fixture

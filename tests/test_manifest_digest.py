@@ -12,10 +12,10 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_python
 
 import asyncckpt
+from asyncckpt._manifest import MANIFEST_NAME, read_manifest
+from asyncckpt._manifest_digest import DIGEST_FIELD, PREFIX_BYTES
 from asyncckpt.distributed import DistributedCheckpointer
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
-from asyncckpt.manifest import MANIFEST_NAME, read_manifest
-from asyncckpt.manifest_digest import DIGEST_FIELD, PREFIX_BYTES
 
 
 def _sealed(path: Path) -> bytes:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from property_states import difference, states, tied_difference, transcode
 
 import asyncckpt
-from asyncckpt.codecs import ZstdCodec
+from asyncckpt._codecs import ZstdCodec
 
 
 def _check(checkpoint: Path, state: Any, codec: str) -> None:

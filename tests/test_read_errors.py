@@ -13,7 +13,7 @@ import torch
 from conftest import REPO
 
 import asyncckpt
-from asyncckpt.storage import PosixStorage
+from asyncckpt._storage import PosixStorage
 
 
 def test_a_failing_read_names_the_file_and_offset(tmp_path: Path) -> None:

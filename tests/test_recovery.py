@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.codecs.deflate import DeflateDecoder
-from asyncckpt.layout import LATEST_NAME
+from asyncckpt._codecs.deflate import DeflateDecoder
+from asyncckpt._layout import LATEST_NAME
 
 
 @pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ def test_a_run_directory_deleted_mid_run_is_recreated(run_dir: Path, caplog: pyt
 
 @pytest.mark.timeout(60)
 def test_out_of_memory_while_staging_keeps_the_slot(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncckpt.snapshot.host as host
+    import asyncckpt._snapshot.host as host
 
     real_empty = torch.empty
 

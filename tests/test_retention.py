@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.layout import LATEST_NAME
+from asyncckpt._layout import LATEST_NAME
 
 
 def test_keep_last_deletes_oldest_only(run_dir: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from conftest import small_training_state
 
 import asyncckpt
-from asyncckpt.dtypes import DTYPE_BY_NAME
+from asyncckpt._dtypes import DTYPE_BY_NAME
 from asyncckpt.testing.state_compare import first_difference
 
 
@@ -68,7 +68,7 @@ def test_shapes_views_and_shared_storage(run_dir: Path) -> None:
     assert restored["transposed"].is_contiguous()
 
 
-@pytest.mark.parametrize("n", [3, 3000])  # a host clone and an arena copy (asyncckpt.snapshot.host.CLONE_BYTES)
+@pytest.mark.parametrize("n", [3, 3000])  # a host clone and an arena copy (asyncckpt._snapshot.host.CLONE_BYTES)
 def test_conjugate_and_negative_views_keep_their_values_beside_their_base(run_dir: Path, n: int) -> None:
     z = torch.randn(n, dtype=torch.complex64, generator=torch.Generator().manual_seed(n))
     # All four share z's memory: the lazy conjugate and negative bits make them different values.
@@ -137,7 +137,7 @@ def test_steps_metadata_and_map_location(run_dir: Path) -> None:
     checkpoint = asyncckpt.list_checkpoints(run_dir)[0].path
     assert asyncckpt.load(checkpoint)["w"][0] == 100  # a checkpoint directory itself
     assert asyncckpt.verify(run_dir).step == 300
-    from asyncckpt.manifest import read_manifest
+    from asyncckpt._manifest import read_manifest
 
     assert read_manifest(checkpoint).metadata == {"loss": 1.0}
     with pytest.raises(asyncckpt.CheckpointError, match="no committed checkpoint for step 5"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.tree import MAX_DEPTH
+from asyncckpt._tree import MAX_DEPTH
 
 
 class Color(str, Enum):  # the shape of Hugging Face's ExplicitEnum

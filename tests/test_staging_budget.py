@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.gpu.budget import (
+from asyncckpt._gpu.budget import (
     MAX_GROUP_BYTES,
     MIN_GROUP_BYTES,
     SCRATCH_PER_RAW_BYTE,
@@ -21,11 +21,11 @@ from asyncckpt.gpu.budget import (
     plan_staging,
     scratch_for,
 )
-from asyncckpt.gpu.pinned_pool import PinnedPool, block_size_for
-from asyncckpt.gpu.staging import spilled_group_sizes
-from asyncckpt.snapshot import HostStager
-from asyncckpt.snapshot.host import default_host_budget_bytes
-from asyncckpt.tree import flatten
+from asyncckpt._gpu.pinned_pool import PinnedPool, block_size_for
+from asyncckpt._gpu.staging import spilled_group_sizes
+from asyncckpt._snapshot import HostStager
+from asyncckpt._snapshot.host import default_host_budget_bytes
+from asyncckpt._tree import flatten
 
 MiB, GiB = 1 << 20, 1 << 30
 WINDOW = GiB

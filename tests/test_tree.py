@@ -13,7 +13,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from asyncckpt.tree import MAX_DEPTH, TensorLeaf, flatten
+from asyncckpt._tree import MAX_DEPTH, TensorLeaf, flatten
 
 
 def _ids(skeleton: dict) -> list[int]:

@@ -1,8 +1,8 @@
-"""The state walker (asyncckpt.walker): one answer from the fast capture and the full walk, bit-exact round trips.
+"""The state walker (asyncckpt._walker): one answer from the fast capture and the full walk, bit-exact round trips.
 
 flatten() takes the common state through ``frame.capture`` (containers now, skeleton later) and
 anything else through the full walk (``tree._walk``); both decide types, aliasing and limits
-through ``asyncckpt.walker``. The properties here: any state flattens to the same skeleton, keys
+through ``asyncckpt._walker``. The properties here: any state flattens to the same skeleton, keys
 and leaves by either path; the fast path takes exactly the states its contract lists; and a
 flattened state rebuilds bit for bit, ties kept. The DCP stager's walk (``walker.map_state``) is
 pinned at the end. Example counts: ``HYPOTHESIS_PROFILE=ci`` (default) or ``nightly``.
@@ -22,9 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from property_states import VIEWS, base_tensors, difference, states, tied_difference
 
-from asyncckpt import frame
-from asyncckpt.tree import _walk, flatten, unflatten
-from asyncckpt.walker import FAST_INT, LONG_STR, MAX_DEPTH, TensorTable, map_state
+from asyncckpt import _frame as frame
+from asyncckpt._tree import _walk, flatten, unflatten
+from asyncckpt._walker import FAST_INT, LONG_STR, MAX_DEPTH, TensorTable, map_state
 
 # complex32 tensors: torch warns once per process that ComplexHalf is experimental.
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
@@ -45,7 +45,7 @@ def _assert_paths_agree(state: object) -> None:
 
 
 def _fast_path_takes(value: object, depth: int = 0) -> bool:
-    """The fast path's contract (asyncckpt/frame.py's docstring), written out independently of it."""
+    """The fast path's contract (asyncckpt/_frame.py's docstring), written out independently of it."""
     if isinstance(value, torch.Tensor):
         return value.numel() > 0  # the strategies below make only storable tensors, with memory
     kind = type(value)

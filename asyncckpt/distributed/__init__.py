@@ -6,8 +6,8 @@ collective from a background thread); :func:`load_rank` gives each rank its own 
 ``torch.distributed.checkpoint`` (DCP, FSDP2, torchtitan) see :mod:`asyncckpt.integrations.dcp`.
 """
 
-from .checkpointer import DistributedCheckpointer
-from .loader import load_rank
-from .protocol import RankFailedError
+from ._checkpointer import DistributedCheckpointer
+from ._loader import load_rank
+from ._protocol import RankFailedError
 
 __all__ = ["DistributedCheckpointer", "RankFailedError", "load_rank"]

@@ -14,7 +14,7 @@ Layout of ``metadata["dcp"]``::
                        | {"kind": "tensor", "dtype": "float32", "size": [...], "requires_grad": false,
                           "memory_format": "contiguous", "pin_memory": false,
                           "chunks": [{"offsets": [...], "sizes": [...]}, ...]}},
-     "planner_data": <asyncckpt typed-JSON node (tree.py)>,
+     "planner_data": <asyncckpt typed-JSON node (_tree.py)>,
      "storage_meta": {"checkpoint_id": str | null, "save_id": str | null, "modules": [str]},
      "items": [[fqn, offsets | null, kind, tensor_index], ...]}
 
@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..dtypes import dtype_from_name, dtype_name
+from .._dtypes import dtype_from_name, dtype_name
+from .._manifest import MAX_DIMS, MAX_TENSOR_BYTES
+from .._tree import flatten, unflatten
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..manifest import MAX_DIMS, MAX_TENSOR_BYTES
-from ..tree import flatten, unflatten
 
 DCP_KEY = "dcp"
 

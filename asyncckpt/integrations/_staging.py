@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..snapshot import Snapshot
+from .._snapshot import Snapshot
 
 
 @dataclass(eq=False)

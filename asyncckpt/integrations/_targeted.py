@@ -19,17 +19,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..checkpointer import AsyncCheckpointer
-from ..data_path import Backend
+from .._checkpointer import AsyncCheckpointer
+from .._data_path import Backend
+from .._handle import SaveHandle
+from .._persist import SaveJob, check_extra_files, persist_to
+from .._retention import delete_checkpoint_dir
 from ..errors import CheckpointError
-from ..handle import SaveHandle
-from ..persist import SaveJob, check_extra_files, persist_to
 from ..result import SaveResult
-from ..retention import delete_checkpoint_dir
 
 
 class TargetPaths:
-    """The :class:`~asyncckpt.persist.Committer` of a :class:`TargetedCheckpointer`: save number ``n``
+    """The :class:`~asyncckpt._persist.Committer` of a :class:`TargetedCheckpointer`: save number ``n``
     goes to the path :meth:`assign` gave it, replacing an older checkpoint there whole.
 
     :meth:`assign` and :meth:`numbers_for` on the training thread, :meth:`persist` on the worker.

@@ -59,20 +59,20 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from .._backend import build_backend
+from .._checkpointer import _default_observer
+from .._commit import commit_checkpoint
+from .._loader import load_tensors
+from .._manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest
+from .._persist import save_result, write_part
+from .._snapshot import StagedTensor, bytes_view
+from .._tree import FlatState, TensorLeaf
 from .._version import __version__
-from ..backend import build_backend
-from ..checkpointer import _default_observer
-from ..commit import commit_checkpoint
+from .._walker import map_state
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..loader import load_tensors
-from ..manifest import MANIFEST_NAME, Manifest, TensorRecord, read_manifest
 from ..observer import GuardedObserver, NullObserver, SaveObserver, notify_load_finished
 from ..options import resolve_options
-from ..persist import save_result, write_part
 from ..result import SaveResult
-from ..snapshot import StagedTensor, bytes_view
-from ..tree import FlatState, TensorLeaf
-from ..walker import map_state
 from . import _staging
 from ._dcp_metadata import DCP_KEY, decode_metadata, encode_metadata
 
@@ -269,7 +269,7 @@ def _planner_tensors(planner: SavePlanner) -> Iterator[torch.Tensor]:
 
 
 class _PlanSnapshot:
-    """A :class:`~asyncckpt.snapshot.Snapshot` over a DCP plan: items resolved one at a time, as
+    """A :class:`~asyncckpt._snapshot.Snapshot` over a DCP plan: items resolved one at a time, as
     ``write_part`` reaches them (DCP asks writers to resolve lazily: resolving may allocate)."""
 
     def __init__(self, items: Sequence[WriteItem], planner: SavePlanner, claimed: list[_staging.StagedSave],
@@ -499,7 +499,7 @@ class AsyncCkptStager(AsyncStager):
     ``snapshot="host"`` (the default on CPU) copies every tensor into a reusable host arena
     (pinned when CUDA is present; the copies from the GPU are queued on the current stream and
     awaited by the writer, not by the training thread). ``snapshot="device"`` copies into a GPU
-    arena through :mod:`asyncckpt.gpu` (D2D at memory bandwidth), for an :class:`AsyncCkptWriter`
+    arena through :mod:`asyncckpt._gpu` (D2D at memory bandwidth), for an :class:`AsyncCkptWriter`
     with an nvCOMP codec. Either way the state may be mutated as soon as ``async_save`` returns.
 
     At most ``max_inflight`` snapshots exist at once: ``stage`` waits for the oldest save to

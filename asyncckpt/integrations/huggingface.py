@@ -62,9 +62,9 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .._loader import load
+from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointError
-from ..loader import load
-from ..manifest import MANIFEST_NAME
 from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
 
 __all__ = ["STATE_DIR", "AsyncCkptTrainer", "AsyncCkptTrainerMixin", "is_asyncckpt_checkpoint"]

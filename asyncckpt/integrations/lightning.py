@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ..loader import load
-from ..manifest import MANIFEST_NAME
+from .._loader import load
+from .._manifest import MANIFEST_NAME
 from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
 
 __all__ = ["AsyncCkptIO", "AsyncCkptLoadable", "load_from_checkpoint"]

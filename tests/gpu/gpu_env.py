@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt.gpu.deps import gpu_path_available
+from asyncckpt._gpu.deps import gpu_path_available
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -89,7 +89,7 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("codec", ["zstd", "ans"])
 def test_fsdp2_async_save_with_gpu_stager_and_nvcomp_round_trips(tmp_path: Path, codec: str) -> None:
-    pytest.importorskip("asyncckpt.gpu.backend")
+    pytest.importorskip("asyncckpt._gpu.backend")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(tmp_path / "store"), codec],
                           capture_output=True, text=True, timeout=280, env=env, cwd=REPO)  # fmt: skip
@@ -106,7 +106,7 @@ def test_fsdp2_async_save_with_gpu_stager_and_nvcomp_round_trips(tmp_path: Path,
 def test_a_plain_dcp_save_writes_what_the_callers_queued_kernels_wrote(tmp_path: Path, codec: str) -> None:
     # dcp.save hands AsyncCkptWriter live CUDA tensors whose last writes may still be queued; the
     # writer's encoder and its pinned writer read from their own streams, so it must wait for them.
-    pytest.importorskip("asyncckpt.gpu.backend")
+    pytest.importorskip("asyncckpt._gpu.backend")
     import torch.distributed.checkpoint as dcp
 
     from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter

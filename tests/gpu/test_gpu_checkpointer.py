@@ -15,8 +15,8 @@ from conftest import run_python
 from gpu_env import Trainer, requires_gpu, subprocess_env
 
 import asyncckpt
+from asyncckpt._manifest import read_manifest
 from asyncckpt.cli import main as cli
-from asyncckpt.manifest import read_manifest
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
 pytestmark = requires_gpu
@@ -239,8 +239,8 @@ def test_fence_without_a_codec_is_refused(run_dir: Path) -> None:
 
 
 def test_kvikio_threads_follow_io_threads(run_dir: Path) -> None:
-    from asyncckpt.gpu.deps import kvikio
-    from asyncckpt.gpu.storage import DEFAULT_TASK_BYTES
+    from asyncckpt._gpu.deps import kvikio
+    from asyncckpt._gpu.storage import DEFAULT_TASK_BYTES
 
     with asyncckpt.AsyncCheckpointer(run_dir, codec="ans", io_threads=4) as ckpt:
         assert ckpt._backend.storage.threads == 4  # type: ignore[attr-defined]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from gpu_env import Trainer, requires_gpu
 
-from asyncckpt.codecs import get_decoder
-from asyncckpt.gpu.checksum import crc32_device
-from asyncckpt.gpu.decoders import NvcompDecoder
-from asyncckpt.gpu.pipeline import GpuEncoder
-from asyncckpt.gpu.specs import ALGORITHMS, CodecSpec, auto_candidates
+from asyncckpt._codecs import get_decoder
+from asyncckpt._gpu.checksum import crc32_device
+from asyncckpt._gpu.decoders import NvcompDecoder
+from asyncckpt._gpu.pipeline import GpuEncoder
+from asyncckpt._gpu.specs import ALGORITHMS, CodecSpec, auto_candidates
 
 pytestmark = requires_gpu
 
@@ -69,7 +69,7 @@ def test_every_codec_round_trips_every_dtype_on_the_gpu(codec: str, tensors: dic
 def test_tensor_wide_planes_round_trip_and_beat_per_chunk_planes_on_autocast_grads(
     tensors: dict[str, torch.Tensor],
 ) -> None:
-    from asyncckpt.gpu.decoders import DecodeItem, decode_many
+    from asyncckpt._gpu.decoders import DecodeItem, decode_many
 
     encoder = GpuEncoder("auto", torch.device("cuda", torch.cuda.current_device()), chunk_bytes=1 << 16)
     try:

@@ -16,13 +16,13 @@ from conftest import run_python, small_training_state
 from gpu_env import subprocess_env
 
 import asyncckpt
+from asyncckpt._codecs import get_decoder, planes
+from asyncckpt._gpu.planes import join_into, split_into
+from asyncckpt._gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
+from asyncckpt._manifest import MANIFEST_NAME
+from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 from asyncckpt.cli import main as cli
-from asyncckpt.codecs import get_decoder, planes
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.gpu.planes import join_into, split_into
-from asyncckpt.gpu.specs import CodecSpec, auto_candidates, spec_for, spec_from_manifest
-from asyncckpt.manifest import MANIFEST_NAME
-from asyncckpt.manifest_digest import DIGEST_FIELD, seal
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
 _BLOCK_GPU_PACKAGES = """
@@ -131,8 +131,8 @@ def test_device_plane_layout_is_the_cpu_layout_per_chunk(planes_count: int) -> N
 
 @pytest.mark.parametrize("nbytes", [4, 4096 * 4, 4096 * 4 * 3 + 12])
 def test_tensor_wide_planes_cut_each_plane_into_its_own_chunks(nbytes: int) -> None:
-    from asyncckpt.gpu.decoders import DecodeItem, _wide_chunk_offsets
-    from asyncckpt.gpu.planes import join_tensor_into, plane_chunks, plane_stride, split_tensor_into
+    from asyncckpt._gpu.decoders import DecodeItem, _wide_chunk_offsets
+    from asyncckpt._gpu.planes import join_tensor_into, plane_chunks, plane_stride, split_tensor_into
 
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     stride = plane_stride(nbytes, 4)
@@ -159,9 +159,9 @@ def test_tensor_wide_planes_cut_each_plane_into_its_own_chunks(nbytes: int) -> N
 
 
 def test_the_pipeline_chunk_table_matches_the_chunk_layouts() -> None:
-    from asyncckpt.gpu.batch import split_chunks
-    from asyncckpt.gpu.pipeline import chunk_table
-    from asyncckpt.gpu.planes import plane_chunks
+    from asyncckpt._gpu.batch import split_chunks
+    from asyncckpt._gpu.pipeline import chunk_table
+    from asyncckpt._gpu.planes import plane_chunks
 
     chunk = 4096
     for nplanes, sizes, layout in [
@@ -187,8 +187,8 @@ def test_the_nvcomp_c_api_is_simply_unavailable_without_the_library() -> None:
     code = """
 import sys
 sys.modules["nvidia"] = None  # no nvidia-* wheel at all, installed or not
-from asyncckpt.gpu import native
-from asyncckpt.gpu.specs import CodecSpec
+from asyncckpt._gpu import native
+from asyncckpt._gpu.specs import CodecSpec
 print(native.available(CodecSpec("ans", "<f4")), native.available(CodecSpec("zstd")))
 """
     result = run_python(code, env=subprocess_env(LD_LIBRARY_PATH=""))
@@ -275,8 +275,8 @@ def test_convert_reencodes_on_the_cpu_and_exports_safetensors(tmp_path: Path, ru
 def test_the_pack_table_lists_each_kept_chunk_once_back_to_back() -> None:
     # The addresses the GPU pack kernel copies, computed on the host (CPU tensors stand in for
     # nvCOMP's output buffers): each tensor's kept chunks, from their output slots, to its blob.
-    from asyncckpt.gpu.batch import PendingEncode
-    from asyncckpt.gpu.pipeline import _copy_table, _Option
+    from asyncckpt._gpu.batch import PendingEncode
+    from asyncckpt._gpu.pipeline import _copy_table, _Option
 
     out_a, out_b = torch.zeros(4 * 64, dtype=torch.uint8), torch.zeros(3 * 64, dtype=torch.uint8)
     a = PendingEncode(CodecSpec("ans", "<f4"), [64] * 4, out_a, [0, 64, 128, 192], None, _sizes=[10, 0, 7, 64])

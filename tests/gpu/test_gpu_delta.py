@@ -9,7 +9,7 @@ import pytest
 from gpu_env import Trainer, requires_gpu
 
 import asyncckpt
-from asyncckpt.manifest import read_manifest
+from asyncckpt._manifest import read_manifest
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
 pytestmark = requires_gpu

@@ -65,7 +65,7 @@ _WRITER_AFTER_A_FAILURE = (
     REFUSED_WRITES_PRELUDE
     + """
 import json, pathlib, sys, torch
-from asyncckpt.gpu import pinned_io, storage
+from asyncckpt._gpu import pinned_io, storage
 path, kind = pathlib.Path(sys.argv[1]), sys.argv[2]
 device = torch.device("cuda", 0)
 if kind == "pinned":

@@ -15,7 +15,7 @@ import torch
 from gpu_env import Trainer, requires_gpu
 
 import asyncckpt
-from asyncckpt.gpu.budget import MIN_GROUP_BYTES, scratch_for
+from asyncckpt._gpu.budget import MIN_GROUP_BYTES, scratch_for
 from asyncckpt.result import SaveResult
 from asyncckpt.testing.state_compare import clone_state, first_difference
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from gpu_env import requires_gpu
 
+from asyncckpt._gpu import kernels, pinned_io
+from asyncckpt._storage import ALIGNMENT
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.gpu import kernels, pinned_io
-from asyncckpt.storage import ALIGNMENT
 
 pytestmark = requires_gpu
 
@@ -105,7 +105,7 @@ def test_copy_ranges_packs_chunks_at_any_alignment() -> None:
 @pytest.mark.parametrize("planes", [2, 4, 8])
 @pytest.mark.parametrize("items", [1, 3, 4, 4099, 1 << 20])
 def test_plane_kernels_match_the_cpu_layout(planes: int, items: int) -> None:
-    from asyncckpt.gpu.planes import join_tensor_into, plane_stride, split_tensor_into
+    from asyncckpt._gpu.planes import join_tensor_into, plane_stride, split_tensor_into
 
     gen = torch.Generator().manual_seed(items * planes)
     raw = torch.randint(0, 256, (items * planes + 1,), dtype=torch.uint8, generator=gen)[1:]  # odd address

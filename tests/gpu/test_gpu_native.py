@@ -1,4 +1,4 @@
-"""nvCOMP's C API (asyncckpt.gpu.native) against its Python API: the same bytes for every chunk, a
+"""nvCOMP's C API (asyncckpt._gpu.native) against its Python API: the same bytes for every chunk, a
 round trip through the Python decoder, and an encode that never waits for other streams' work."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from gpu_env import Trainer, requires_gpu
 
-from asyncckpt.gpu import batch, native
-from asyncckpt.gpu.specs import CodecSpec
+from asyncckpt._gpu import batch, native
+from asyncckpt._gpu.specs import CodecSpec
 
 pytestmark = requires_gpu
 

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from property_states import difference, leaves_of, states, tied_difference
 
 import asyncckpt
-from asyncckpt.codecs import CPU_CODECS
-from asyncckpt.manifest import read_manifest
+from asyncckpt._codecs import CPU_CODECS
+from asyncckpt._manifest import read_manifest
 
 pytestmark = [*requires_gpu, pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")]
 

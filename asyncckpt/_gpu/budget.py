@@ -1,0 +1,169 @@
+"""How a GPU save fits in memory: the snapshot mode, the compressor's group size, the scratch it may hold.
+
+Pure arithmetic over sizes in bytes, decided on the training thread inside ``save()`` from what
+it measures then (free GPU memory, the state's size, the host budget) and recorded with the
+snapshot, so a :class:`~asyncckpt.result.SaveResult` says which mode ran and why.
+
+The compressor never holds more GPU memory than its scratch: it compresses the state in groups
+of ``group_bytes`` of consecutive tensors, at most :data:`GROUPS_IN_FLIGHT` groups' bytes in
+flight (one encoding while the previous one is resolved; a tensor larger than that alone), each
+costing at most :data:`SCRATCH_PER_RAW_BYTE` times its raw size (nvCOMP's outputs for every
+``auto`` candidate, a byte-plane copy, the packed result, an upload buffer, allocator slack).
+Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to pinned
+host memory (:mod:`asyncckpt._gpu.pinned_pool`), bounded by the host staging budget.
+
+Modes:
+
+``device``
+    The whole state copied into an arena at ``save()``. Only when the arena plus the
+    compressor's scratch fits the budget; otherwise the save runs as ``fence`` and says so.
+``fence``
+    Nothing copied; the next ``optimizer.step()`` waits until the compressor has read every
+    tensor. Works at any state size: memory is the scratch, plus compressed bytes kept on the GPU
+    up to ``resident_bytes``, plus pinned host memory for the rest.
+``host``
+    A raw copy into pinned host memory: when asked for, when not even the scratch of the
+    smallest groups fits, or for ``codec="none"`` (which cannot be fenced). Tensors too large to
+    compress within the budget are then stored raw (``max_compress_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCRATCH_PER_RAW_BYTE = 8
+"""GPU scratch per raw byte of a group in flight: up to three ``auto`` candidates' outputs (each
+bounded a little above the raw size), a byte-plane copy, the packed result, an upload buffer for
+host-staged tensors, and slack for PyTorch's caching allocator, which keeps freed blocks."""
+GROUPS_IN_FLIGHT = 2
+MIN_GROUP_BYTES = 16 << 20
+"""Below this, per-call overheads dominate (~0.6 ms host time per nvCOMP call)."""
+MAX_GROUP_BYTES = 1 << 30
+NO_LIMIT = 1 << 62
+FREE_FRACTION = 4
+"""The default GPU budget is free memory divided by this, re-read at every save."""
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """What one GPU save may use; sizes in bytes."""
+
+    mode: str
+    """``device``, ``fence`` or ``host``: what runs."""
+    reason: str
+    """Why, in one sentence (lands in ``SaveResult.snapshot_reason`` and the log)."""
+    budget_bytes: int
+    """GPU memory this save may hold beyond the live state (arena + scratch + resident output)."""
+    group_bytes: int
+    """Raw bytes of consecutive tensors compressed per nvCOMP call (a larger tensor is a group alone)."""
+    resident_bytes: int
+    """Compressed bytes that may stay on the GPU until written (``fence``); beyond, they go to pinned host memory."""
+    window_bytes: int | None = None
+    """Compressed bytes that may wait on the GPU for the writer (``device``, ``host``); None: no window (``fence``)."""
+    max_compress_bytes: int = NO_LIMIT
+    """Tensors larger than this are stored raw: compressing them would need more scratch than the budget."""
+
+
+def group_bytes_for(scratch_bytes: int) -> int:
+    """The largest group whose scratch, :data:`GROUPS_IN_FLIGHT` at a time, fits ``scratch_bytes``."""
+    group = scratch_bytes // (SCRATCH_PER_RAW_BYTE * GROUPS_IN_FLIGHT)
+    return max(MIN_GROUP_BYTES, min(MAX_GROUP_BYTES, group))
+
+
+def plan_groups(sizes: Sequence[int], group_bytes: int) -> list[list[int]]:
+    """Indices of consecutive tensors of ``sizes`` bytes compressed together, about ``group_bytes``
+    raw bytes per group; a tensor larger than that is a group of its own."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index, n in enumerate(sizes):
+        if groups[-1] and size + n > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += n
+    return [g for g in groups if g]
+
+
+def scratch_for(group_bytes: int) -> int:
+    return group_bytes * SCRATCH_PER_RAW_BYTE * GROUPS_IN_FLIGHT
+
+
+def default_gpu_budget(free_bytes: int) -> int:
+    return free_bytes // FREE_FRACTION
+
+
+def plan_staging(
+    requested: str,
+    device_bytes: int,
+    budget_bytes: int,
+    arena_bytes: int,
+    slots: int,
+    largest_tensor_bytes: int,
+    window_bytes: int,
+    fence_allowed: bool = True,
+) -> StagingPlan:
+    """Choose the mode and sizes of one save.
+
+    ``requested``: the ``snapshot`` option (``auto``, ``device``, ``fence``, ``host``);
+    ``device_bytes``: the state's bytes on this GPU; ``budget_bytes``: GPU memory this save may
+    use; ``arena_bytes``: GPU staging arena already allocated (it stays allocated, so a mode that
+    does not use it has that much less); ``slots``: saves that may be in flight; ``largest_tensor_bytes``:
+    a tensor over the group size is a group of its own, so its scratch counts in full;
+    ``window_bytes``: compressed bytes a ``device`` save may queue on the GPU for the writer;
+    ``fence_allowed``: False where nothing would read the live tensors before training moves on
+    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead.
+    """
+    if requested == "host":
+        return host_plan("snapshot='host' was asked for", budget_bytes - arena_bytes, window_bytes)
+    group = group_bytes_for(budget_bytes)
+    # In flight: GROUPS_IN_FLIGHT groups' bytes, or one tensor larger than that alone.
+    scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
+    if requested in ("auto", "device"):
+        arena = max(arena_bytes, device_bytes * slots)
+        # The copy's compressor gets what the arena and the writer's window leave: smaller groups
+        # than a fence would use, so a state that fits the budget is copied rather than fenced.
+        copy_group = group_bytes_for(budget_bytes - arena - window_bytes)
+        copy_scratch = max(scratch_for(copy_group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
+        if arena + copy_scratch + window_bytes <= budget_bytes:
+            why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
+            return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes)
+        why = (
+            f"a device copy needs {arena + copy_scratch + window_bytes} bytes of GPU memory but "
+            f"gpu_staging_budget_bytes allows {budget_bytes}"
+        )
+    else:
+        why = "snapshot='fence' was asked for"
+    left = budget_bytes - arena_bytes
+    if not fence_allowed:
+        return host_plan(f"{why}; codec='none' reads nothing before training moves on, so not fenced", left,
+                         window_bytes)  # fmt: skip
+    if scratch > left:
+        return host_plan(
+            f"{why}; compressing on the GPU needs {scratch} bytes of scratch (groups of {group} bytes, largest "
+            f"tensor {largest_tensor_bytes} bytes) and {left} are left",
+            left,
+            window_bytes,
+        )
+    if requested != "fence":
+        why += ": fenced instead (the next optimizer step waits until the state has been read)"
+    # Compressed output kept on the GPU is held until written, by every save in flight.
+    return StagingPlan("fence", why, budget_bytes, group, (left - scratch) // max(1, slots))
+
+
+def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:
+    """A raw copy to pinned host memory, compressed on the GPU within ``budget_bytes``: half for the
+    scratch of one group at a time, half for compressed bytes waiting for the writer; tensors too
+    large for that scratch are stored raw."""
+    share = max(0, budget_bytes) // 2
+    largest = share // SCRATCH_PER_RAW_BYTE
+    reason = why if why.startswith("snapshot=") else f"{why}: staged raw in pinned host memory instead"
+    return StagingPlan("host", reason, budget_bytes, max(1, min(largest, MAX_GROUP_BYTES)), 0,
+                       min(window_bytes, share), largest)  # fmt: skip
+
+
+def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> StagingPlan:
+    """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
+    if not fence_allowed:
+        return host_plan(f"{why}; codec='none' cannot be fenced", plan.budget_bytes, plan.window_bytes or 0)
+    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, plan.group_bytes, 0)

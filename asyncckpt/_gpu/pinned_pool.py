@@ -1,0 +1,209 @@
+"""Pinned host blocks for compressed bytes that do not stay on the GPU, reused from save to save.
+
+When a ``fence`` save's compressed state does not fit its GPU budget, the compressor copies each
+compressed group to a pinned block (device-to-host at PCIe speed on its own copy stream) and the
+writer writes it from there. Blocks are sized to the group they hold (rounded up, with a little
+headroom so the next save's slightly different sizes fit), kept after the save and reused, so a
+steady state pins nothing.
+
+Pinning is the expensive part (the driver locks every page; seconds for tens of GB), so it is
+never done on the training thread: the compressor pins what it needs when it needs it, and
+:meth:`PinnedPool.reserve` pins ahead of time on a background thread (what
+``AsyncCheckpointer.preallocate`` calls).
+
+Memory is allocated with ``mmap`` (page-aligned, with transparent huge pages advised, which
+makes pinning cheaper) and registered with ``cudaHostRegister``: torch's own pinned allocator
+rounds every block up to a power of two, which would cost up to twice the compressed state.
+Without CUDA (``pin=False``) the blocks are plain memory, which is how the CPU tests run.
+
+Threads: ``acquire`` on the compressor thread, ``give_back`` on the checkpoint worker thread,
+``reserve`` starts a thread of its own; every method takes the pool's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._alignment import align_up
+
+log = logging.getLogger("asyncckpt")
+
+BLOCK_ALIGN_BYTES = 2 << 20
+"""Blocks are a whole number of 2 MiB huge pages."""
+HEADROOM_DIVISOR = 16
+"""A block is made 1/16 larger than asked, so the next save's groups, a little larger, still fit."""
+HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the memory counts as pinned in every CUDA context."""
+
+
+def block_size_for(nbytes: int) -> int:
+    want = nbytes + nbytes // HEADROOM_DIVISOR
+    return max(BLOCK_ALIGN_BYTES, align_up(want, BLOCK_ALIGN_BYTES))
+
+
+@dataclass(eq=False)
+class PinnedBlock:
+    """One registered host allocation; ``data`` is its bytes (1-D uint8)."""
+
+    data: torch.Tensor
+    _mapping: mmap.mmap | None
+    pinned: bool
+    device: torch.device | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+class PinnedPool:
+    """Pinned blocks up to ``budget_bytes`` in all; see the module docstring."""
+
+    def __init__(self, budget_bytes: int, pin: bool | None = None, device: torch.device | None = None,
+                 held_elsewhere: Callable[[], int] | None = None) -> None:  # fmt: skip
+        """``held_elsewhere``: host staging bytes held outside the pool under the same budget (the
+        raw host arena); ``device``: the GPU whose context registers the blocks."""
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.device = device
+        self._held_elsewhere = held_elsewhere
+        self._lock = threading.Lock()
+        self._free: list[PinnedBlock] = []
+        self._allocated_bytes = 0
+        self.pinned_bytes_total = 0
+        """Bytes pinned over the pool's life (a save that reuses blocks adds nothing)."""
+        self._reserving: threading.Thread | None = None
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes the pool holds (free and in use)."""
+        return self._allocated_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    def acquire(self, nbytes: int) -> PinnedBlock | None:
+        """A block of at least ``nbytes``: a free one that fits, else a new one; None if the budget is spent.
+
+        Compressor thread. Pinning a new block takes time (about a second per few GB); that is
+        why :meth:`reserve` exists.
+        """
+        with self._lock:
+            fitting = [b for b in self._free if nbytes <= b.nbytes]
+            if fitting:
+                # Never pin while a fitting block is free: pinning holds the fence. An oversized
+                # block is given back by recycle() if a later save no longer needs it.
+                best = min(fitting, key=lambda b: b.nbytes)
+                self._free.remove(best)
+                return best
+        return self._allocate_within_budget(nbytes)
+
+    def _allocate_within_budget(self, nbytes: int) -> PinnedBlock | None:
+        elsewhere = self._held_elsewhere() if self._held_elsewhere is not None else 0
+        with self._lock:
+            size = block_size_for(nbytes)
+            if self._allocated_bytes + elsewhere + size > self.budget_bytes:
+                size = nbytes  # no headroom when the budget is tight
+                if self._allocated_bytes + elsewhere + size > self.budget_bytes:
+                    return None
+            self._allocated_bytes += size  # counted before pinning, outside the lock
+            self.pinned_bytes_total += size
+        try:
+            return self._allocate(size)
+        except BaseException:
+            with self._lock:
+                self._allocated_bytes -= size
+            raise
+
+    def give_back(self, blocks: Sequence[PinnedBlock]) -> None:
+        """Return blocks for reuse. Worker thread, once nothing reads them any more."""
+        with self._lock:
+            self._free.extend(blocks)
+
+    def recycle(self, blocks: Sequence[PinnedBlock]) -> int:
+        """Give back the blocks a save used and free every other free block; returns the bytes freed.
+
+        Worker thread, at the end of a save. What the pool keeps is then what the last save
+        needed (a reservation larger than that, or blocks of an older, larger state, are freed),
+        which bounds pinned memory to about one compressed state per save in flight."""
+        with self._lock:
+            stale, self._free = self._free, list(blocks)  # the save's blocks were in use, not free
+            freed_bytes = sum(b.nbytes for b in stale)
+            self._allocated_bytes -= freed_bytes
+        for block in stale:
+            _unpin(block)
+        return freed_bytes
+
+    def reserve(self, sizes: Sequence[int]) -> threading.Thread:
+        """Pin free blocks of ``sizes`` bytes on a background thread (within the budget); returns the thread."""
+
+        def run() -> None:
+            for size in sizes:
+                block = self._allocate_within_budget(size)  # a new block each: free ones may be in use soon
+                if block is None:
+                    log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
+                             self.budget_bytes)  # fmt: skip
+                    return
+                self.give_back([block])  # usable at once, by a save that starts before the rest is pinned
+
+        thread = threading.Thread(target=run, name="asyncckpt-pin", daemon=True)
+        thread.start()
+        self._reserving = thread
+        return thread
+
+    def trim(self, keep_bytes: int) -> int:
+        """Free unused blocks, largest first, until at most ``keep_bytes`` are free; returns bytes freed."""
+        freed = []
+        with self._lock:
+            self._free.sort(key=lambda b: b.nbytes)
+            while self._free and sum(b.nbytes for b in self._free) > keep_bytes:
+                freed.append(self._free.pop())
+            freed_bytes = sum(b.nbytes for b in freed)
+            self._allocated_bytes -= freed_bytes
+        for block in freed:
+            _unpin(block)
+        return freed_bytes
+
+    def close(self) -> None:
+        """Free every free block; blocks still in use are freed by whoever holds them last."""
+        if self._reserving is not None:
+            self._reserving.join()
+        self.trim(0)
+
+    def _allocate(self, size: int) -> PinnedBlock:
+        mapping = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # THP disabled on this kernel: pinning is slower, nothing else changes
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+        data = torch.frombuffer(mapping, dtype=torch.uint8)
+        # Fault the pages in with torch's intra-op threads (many cores at once); registering
+        # pages that are already there is what the driver does fastest.
+        data.zero_()
+        if self.pin:
+            # On this pool's device (the calling thread's current device may be another GPU's, or
+            # unset: a context would be made on GPU 0); portable, so any context may copy into it.
+            with torch.cuda.device(self.device):
+                status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, HOST_REGISTER_PORTABLE)
+            if int(status) != 0:
+                raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(status)})")
+        return PinnedBlock(data=data, _mapping=mapping, pinned=self.pin, device=self.device)
+
+
+def _unpin(block: PinnedBlock) -> None:
+    if block.pinned:
+        with torch.cuda.device(block.device):
+            torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr())
+        block.pinned = False
+    # The mapping is unmapped once the last view of `data` (which holds the mmap object) is gone.
+    block.data = torch.empty(0, dtype=torch.uint8)
+    block._mapping = None
