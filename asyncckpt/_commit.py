@@ -162,8 +162,17 @@ def publish(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
                 f"{final_dir}: a checkpoint for this step was committed meanwhile; not overwriting it"
             )
         old = move_aside(final_dir)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except BaseException:
+        if old is not None:  # put the checkpoint being replaced back: it stays the visible one
+            os.rename(old, final_dir)
+        raise
+    try:
+        fsync_dir(final_dir.parent)
+    except OSError as exc:  # visible already: a warning, as in commit()
+        log.warning("asyncckpt: %s is published and visible, but fsync of %s failed (%s): the rename may not "
+                    "survive a power loss", final_dir, final_dir.parent, exc)  # fmt: skip
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

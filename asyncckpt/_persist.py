@@ -239,9 +239,13 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     began = time.perf_counter()
-    manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
-                        tensors=part.records, structure=job.skeleton, metadata=job.metadata,
-                        io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
+    try:  # the skeleton may be built here, lazily: a failure must not leave the temporary directory
+        manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
+                            tensors=part.records, structure=job.skeleton, metadata=job.metadata,
+                            io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     manifest_bytes = commit_checkpoint(tmp, manifest, final, files=job.files, point_latest=point_latest,
                                        replace=replace)  # fmt: skip
     commit_seconds = time.perf_counter() - began
