@@ -234,16 +234,13 @@ def persist_to(job: SaveJob, final: Path, encoder: Encoder, storage: Storage, *,
         reached("tmp-created")
         part = write_part(job.snapshot, encoder, storage, tmp / DATA_FILE, delta)
         reached("data-written")
-    except BaseException:
-        # The snapshot is released by write_part, or by the checkpointer's worker if it failed earlier.
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    began = time.perf_counter()
-    try:  # the skeleton may be built here, lazily: a failure must not leave the temporary directory
+        began = time.perf_counter()
+        # The skeleton may be built here, lazily: its failure must not leave the directory either.
         manifest = Manifest(step=job.step, created_unix=job.created_unix, library_version=__version__,
                             tensors=part.records, structure=job.skeleton, metadata=job.metadata,
                             io_mode=storage.io_mode, reference=delta.reference if delta else None)  # fmt: skip
     except BaseException:
+        # The snapshot is released by write_part, or by the checkpointer's worker if it failed earlier.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest_bytes = commit_checkpoint(tmp, manifest, final, files=job.files, point_latest=point_latest,
