@@ -75,3 +75,19 @@ def test_wait_timeout_and_handle_timeout(run_dir: Path) -> None:
             assert "not finished" in str(exc)
         gated.gate.set()
         assert handle.wait(30) is True
+
+
+def test_targeted_skip_leaves_no_pending_path(tmp_path: Path) -> None:
+    """A save_to() skipped while busy is not waited for and never commits to its path later."""
+    from asyncckpt.integrations._targeted import TargetedCheckpointer
+
+    with TargetedCheckpointer(tmp_path / "run", when_busy="skip", max_inflight=1) as ckpt:
+        gated = _gated(ckpt)
+        first = ckpt.save_to(tmp_path / "a.ckpt", {"w": torch.ones(4)})
+        skipped = ckpt.save_to(tmp_path / "b.ckpt", {"w": torch.zeros(4)})
+        assert skipped.done() and skipped.result().skipped
+        assert ckpt._targets.numbers_for((tmp_path / "b.ckpt").absolute()) == []
+        gated.gate.set()
+        ckpt.wait_for(tmp_path / "a.ckpt")
+        assert first.result().path is not None
+    assert (tmp_path / "a.ckpt").is_dir() and not (tmp_path / "b.ckpt").exists()

@@ -94,10 +94,13 @@ class TargetedCheckpointer(AsyncCheckpointer):
         number = next(self._counter)
         self._targets.assign(number, target, extra)
         try:
-            return self.save(number, state, metadata=metadata)
+            handle = self.save(number, state, metadata=metadata)
         except BaseException:
             self._targets.forget(number)
             raise
+        if handle.done():  # skipped (when_busy="skip") or already over: nothing will commit this number now
+            self._targets.forget(number)
+        return handle
 
     def wait_for(self, path: str | os.PathLike[str]) -> None:
         """Wait until no save to ``path`` is in flight (raises the first unreported failure)."""
