@@ -166,4 +166,6 @@ def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> S
     """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
     if not fence_allowed:
         return host_plan(f"{why}; codec='none' cannot be fenced", plan.budget_bytes, plan.window_bytes or 0)
+    # Keeps the device plan's (smaller) groups: the arena just failed to allocate, so the GPU has less
+    # memory than the budget assumed, and small groups are what is likely to fit.
     return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, plan.group_bytes, 0)

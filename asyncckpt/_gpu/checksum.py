@@ -48,13 +48,21 @@ def crc32_device(buf: torch.Tensor) -> str:
         )
     if buf.numel() == 0:
         return crc32_host(np.empty(0, np.uint8))
-    if not native.crc32_available():
-        return crc32_host(buf.cpu().numpy())
     stream = _stream(buf.device)
-    try:
-        with torch.cuda.device(buf.device):
-            batch = native.crc32(np.array([buf.data_ptr()], np.int64), np.array([buf.numel()], np.int64), stream)
-        (value,) = batch.values()
-    except torch.OutOfMemoryError:
-        return crc32_host(buf.cpu().numpy())
-    return f"{value:08x}"
+    if native.crc32_available():
+        try:
+            with torch.cuda.device(buf.device):
+                batch = native.crc32(np.array([buf.data_ptr()], np.int64), np.array([buf.numel()], np.int64), stream)
+            (value,) = batch.values()
+            return f"{value:08x}"
+        except (torch.OutOfMemoryError, RuntimeError):  # no room for the tables, or nvCOMP reported a failure
+            pass
+    return crc32_host(_to_host(buf, stream))
+
+
+def _to_host(buf: torch.Tensor, stream: torch.cuda.Stream) -> np.ndarray:
+    """``buf``'s bytes on the host, copied on ``stream`` (never behind training's kernels on the
+    default stream); blocks until they have landed."""
+    with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+        host = buf.to("cpu", non_blocking=False)
+    return host.numpy()

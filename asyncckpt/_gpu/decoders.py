@@ -3,7 +3,7 @@
 :func:`decode_many` is what a GPU restore uses; :class:`NvcompDecoder` adapts it to the
 one-tensor :class:`~asyncckpt._codecs.Decoder` interface so :func:`asyncckpt._loader.verify` and
 host-side loads of GPU-only codecs work on a GPU machine (blobs are moved to the GPU and back).
-:func:`register` installs those decoders in :mod:`asyncckpt._codecs` when the GPU path is usable.
+The codec registry (:mod:`asyncckpt._codecs`) imports this module on the first GPU-only codec it meets.
 
 Runs on the calling thread; GPU work goes on a per-thread decode stream, and every function
 returns only once its outputs are complete.

@@ -15,7 +15,10 @@ nvCOMP 6's (``include/nvcomp/ans.h``, ``bitcomp.h``): with any other major versi
 :func:`available` is False and everything uses the Python API, as it does with
 ``ASYNCCKPT_NVCOMP_PYTHON_ONLY=1`` (for comparisons).
 
-Threads and streams: any thread may call :func:`encode`; all GPU work goes on the stream it
+The same library's batched CRC-32 (:func:`crc32`, zlib's polynomial and conventions) checksums
+the packed blobs where they are, one launch per group.
+
+Threads and streams: any thread may call :func:`encode` or :func:`crc32`; all GPU work goes on the stream it
 is given; :meth:`NativeEncode.sizes` is where the calling thread waits (without the GIL).
 """
 
@@ -119,6 +122,7 @@ _loaded = False
 _wheel_library: ctypes.CDLL | None = None
 _wheel_loaded = False
 _crc_confs: dict[tuple[int, int, int], _Crc32KernelConf] = {}
+_MAX_CACHED_CONFS = 1024
 _bounds: dict[tuple[CodecSpec, int], int] = {}
 _temp_sizes: dict[tuple[CodecSpec, int, int, int, int], int] = {}
 
@@ -342,6 +346,8 @@ def _crc_conf(count: int, max_bytes: int, device_index: int) -> _Crc32KernelConf
         _call("nvcompBatchedCRC32GetHeuristicConf", ctypes.c_void_p(None), ctypes.c_size_t(count), ctypes.byref(conf),
               ctypes.c_size_t(bucket), ctypes.c_void_p(None))  # fmt: skip
         with _lock:
+            if len(_crc_confs) >= _MAX_CACHED_CONFS:  # one entry per blob count seen: bound a long run's cache
+                _crc_confs.clear()
             _crc_confs[key] = conf
     return conf
 

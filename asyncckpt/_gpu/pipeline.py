@@ -581,7 +581,7 @@ class GpuEncoder:
         packed_done.record(self.stream)
         packed_done.synchronize()  # KvikIO and the checksum read the packed bytes from other streams
         del table_on_device
-        crc32s = checksums.values() if checksums is not None else [None] * len(chosen)  # done: no further wait
+        crc32s = _crc32_values(checksums, len(chosen))  # done: no further wait
         total = sum(o.stored for o in chosen)
         blobs: Group = []
         for (index, staged), option, (start, end), crc32 in zip(work.items, chosen, spans, crc32s, strict=True):
@@ -624,8 +624,19 @@ def _enqueue_crc32(packed: torch.Tensor, starts: list[int], sizes: list[int],
     try:
         addresses = packed.data_ptr() + np.asarray(starts, dtype=np.int64)
         return native.crc32(addresses, np.asarray(sizes, dtype=np.int64), stream)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError):  # no room for the tables; the library refused the batch
         return None
+
+
+def _crc32_values(checksums: native.Crc32Batch | None, count: int) -> list[int | None]:
+    """The CRC-32 of each packed blob, or None for all (the writer then checksums on the host) when
+    nvCOMP did not run or reported a failed buffer: a checksum problem never fails a save."""
+    if checksums is not None:
+        try:
+            return list(checksums.values())
+        except RuntimeError as exc:
+            log.warning("asyncckpt: nvCOMP CRC-32 failed (%s); the writer checksums these blobs on the host", exc)
+    return [None] * count
 
 
 def _delta_key(key: str) -> str:

@@ -43,7 +43,7 @@ class DistributedCheckpointer(AsyncCheckpointer):
             long for rank 0. Argument > ``ASYNCCKPT_COMMIT_TIMEOUT_SECONDS`` > 600.
         rank, world_size: only when ``torch.distributed`` is not initialised (else taken from it).
         session: a token naming this incarnation of the job, the same on every rank; by default
-            broadcast once from rank 0 here, on the main thread (see :mod:`.group`).
+            broadcast once from rank 0 here, on the main thread (see :mod:`._group`).
         process_group: the group whose ranks take part (default: the whole job).
         observer, registry, **options: as for :class:`~asyncckpt.AsyncCheckpointer`; metrics are
             per rank (the exporter listens on ``metrics_port`` + local rank).

@@ -3,7 +3,7 @@
 The states of ``tests/property_states.py`` (every dtype; empty, 0-d, strided, non-contiguous, tied
 tensors; every scalar type) on the current CUDA device. One checkpointer per (snapshot, codec)
 lives for the whole module, so an example costs a save and a few loads, not a pipeline start.
-Restored on the GPU (nvCOMP decode, mix64 on the device) and, for the formats a CPU can decode,
+Restored on the GPU (nvCOMP decode, CRC-32 on the device) and, for the formats a CPU can decode,
 with ``map_location="cpu"`` too; then verified. ``HYPOTHESIS_PROFILE=nightly`` runs more examples.
 """
 
