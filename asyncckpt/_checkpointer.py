@@ -57,19 +57,17 @@ class AsyncCheckpointer:
         preallocate_for: a state like the ones to be saved: its staging memory (pinned host
             blocks, a GPU arena) is allocated in the background from construction, so the first
             save allocates nothing (:meth:`preallocate`).
-        committer: how each save is committed (:class:`~asyncckpt._persist.Committer`); default
-            :class:`~asyncckpt._persist.RunDirectory` of ``directory``. The distributed and
-            integration checkpointers pass theirs.
         **options: any field of :class:`~asyncckpt.options.CheckpointOptions`
             (``keep_last``, ``max_inflight``, ``when_busy``, ``codec``, ``snapshot``, ...).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, observer: SaveObserver | None = None,
-                 registry: Any = None, preallocate_for: object = None, committer: Committer | None = None,
+                 registry: Any = None, preallocate_for: object = None, _committer: Committer | None = None,
                  **options: Any) -> None:  # fmt: skip
         self.options = resolve_options(**options)
         self.directory = Path(directory)
-        self._committer = committer if committer is not None else RunDirectory(self.directory)
+        # `_committer` is internal: the distributed and integration subclasses pass theirs.
+        self._committer = _committer if _committer is not None else RunDirectory(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in remove_stale_temporaries(self.directory):
             log.info("asyncckpt: removed %s, left by a process that died mid-save", stale)

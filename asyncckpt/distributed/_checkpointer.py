@@ -67,7 +67,7 @@ class DistributedCheckpointer(AsyncCheckpointer):
         self.context = RankContext(rank=info.rank, world_size=info.world_size, session=info.session,
                                    writers=writers, commit_timeout_seconds=timeout)  # fmt: skip
         super().__init__(directory, observer=observer, registry=registry,
-                         committer=RankCommitter(Path(directory), self.context), **options)  # fmt: skip
+                         _committer=RankCommitter(Path(directory), self.context), **options)  # fmt: skip
         if info.rank == 0:
             for stale in remove_other_sessions(self.directory, info.session):
                 log.info("asyncckpt: removed %s, left by an earlier run of this job", stale)

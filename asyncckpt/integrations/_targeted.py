@@ -79,7 +79,7 @@ class TargetedCheckpointer(AsyncCheckpointer):
         self._targets = TargetPaths()
         self._counter = itertools.count(1)
         # Explicitly off, so an ASYNCCKPT_DELTA set for the whole job does not apply here either.
-        super().__init__(directory, committer=self._targets, **{**kwargs, "delta": "off"})
+        super().__init__(directory, _committer=self._targets, **{**kwargs, "delta": "off"})
 
     def save_to(self, path: str | os.PathLike[str], state: object, *, metadata: dict[str, Any] | None = None,
                 files: dict[str, bytes] | None = None) -> SaveHandle:  # fmt: skip
