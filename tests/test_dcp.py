@@ -174,6 +174,7 @@ def test_round_trip_and_metrics_hooks(tmp_path: Path) -> None:
     assert result.raw_bytes == sum(t["raw_bytes"] for t in manifest["tensors"])
     assert result.stored_bytes == sum(t["stored_bytes"] for t in manifest["tensors"]) < result.raw_bytes
     assert {"compress", "write", "fsync", "commit"} <= set(result.stage_seconds)
+    assert sum(result.stage_seconds.values()) <= result.durable_seconds  # durable includes the commit
     assert result.snapshot_mode == "host" and "host memory" in result.snapshot_reason  # the checkpointers' builder
     assert "pickle" not in (tmp_path / "step-7" / "manifest.json").read_text()
     back = _state()

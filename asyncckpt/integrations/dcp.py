@@ -145,7 +145,7 @@ class AsyncCkptWriter(StorageWriter):
         self._backend = build_backend(self.options)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
-        self._pending: SaveResult | None = None
+        self._pending: tuple[SaveResult, float] | None = None  # (result, perf_counter at write start)
 
     # -- DCP's StorageWriter interface, in the order DCP calls it ---------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -199,7 +199,7 @@ class AsyncCkptWriter(StorageWriter):
                              started=started, snapshot_mode=self._backend.snapshot_mode,
                              snapshot_reason=self._backend.snapshot_reason)  # fmt: skip
         if self.is_coordinator:
-            self._pending = result  # reported once the commit is done (or failed), in finish()
+            self._pending = (result, started)  # reported once the commit is done (or failed), in finish()
         else:
             self.observer.save_finished(result, 0)
         future: Future[list[WriteResult]] = Future()
@@ -233,9 +233,12 @@ class AsyncCkptWriter(StorageWriter):
             self.observer.save_failed(exc, 0)
             raise
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            stages = {**pending.stage_seconds, "commit": time.perf_counter() - began}
-            self.observer.save_finished(dataclasses.replace(pending, stage_seconds=stages), 0)
+            (pending, started), self._pending = self._pending, None
+            now = time.perf_counter()  # durable once committed: the coordinator's time includes the commit
+            stages = {**pending.stage_seconds, "commit": now - began}
+            self.observer.save_finished(
+                dataclasses.replace(pending, stage_seconds=stages, durable_seconds=now - started), 0
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path) if self.path is not None else None, save_id=self.save_id)
