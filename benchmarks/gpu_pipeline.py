@@ -329,7 +329,11 @@ def _measured_save(
         "codecs": result.codecs,
         "io_mode": result.io_mode,
         "snapshot_mode": result.snapshot_mode,
+        "snapshot_reason": result.snapshot_reason,
         "compress": {
+            "group_bytes": stats.group_bytes,
+            "spilled_bytes": stats.spilled_bytes,
+            "notes": list(stats.notes),
             "encoded_bytes": stats.encoded_bytes,
             "gpu_seconds": stats.gpu_seconds,
             "wall_seconds": stats.wall_seconds,
@@ -571,6 +575,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt_seconds(m['durable_bound_seconds'])} | {fmt_bytes(s['stored_bytes'])} ({s['ratio']:.3f}x) | "
             f"{fmt_rate(m['compress_bytes_per_second'])} {'ok' if m['compress_ok'] else 'MISSED'} | "
             f"{slow} {'ok' if m['step_slowdown_ok'] else 'MISSED'} | {s['io_mode']} |"
+        )
+    lines.append("")
+    for mode, entry in pipe["modes"].items():
+        s = entry["save"]
+        c = s["compress"]
+        notes = "; ".join(c.get("notes", [])) or "none"
+        lines.append(
+            f"- `{mode}` ran as `{s['snapshot_mode']}` ({s.get('snapshot_reason') or 'no reason recorded'}), "
+            f"groups of {fmt_bytes(c.get('group_bytes', 0))}, {fmt_bytes(c.get('spilled_bytes', 0))} spilled to "
+            f"pinned memory; degradations: {notes}."
         )
     if "dcp_async_save" in pipe:
         d = pipe["dcp_async_save"]

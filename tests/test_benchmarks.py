@@ -246,6 +246,9 @@ def test_gpu_pipeline_judges_blocked_time_on_the_median_of_its_samples() -> None
     assert verdict["vs_dcp_async_save"] == pytest.approx(500) and verdict["vs_dcp_ok"]
     report_["verdicts"] = gpu_pipeline.verdicts(report_)
     assert "1.8 ms ok (max 2.4 ms, n=3)" in gpu_pipeline.markdown(report_)
+    fence["save"]["compress"]["notes"] = ["GPU memory ran short while compressing"]
+    assert "- `fence` ran as `fence`" in gpu_pipeline.markdown(report_)  # which mode ran, and how it degraded
+    assert "degradations: GPU memory ran short while compressing." in gpu_pipeline.markdown(report_)
 
     fence["blocked_samples_seconds"] = [2.1e-3, 1.2e-3, 2.2e-3]  # a median over the bound misses it
     assert not gpu_pipeline.verdicts(report_)["fence"]["blocked_ok"]

@@ -11,15 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import asyncckpt
 from asyncckpt._gpu.budget import (
     MAX_GROUP_BYTES,
     MIN_GROUP_BYTES,
     SCRATCH_PER_RAW_BYTE,
+    fenced_instead,
+    halve,
     plan_groups,
     plan_staging,
     scratch_for,
+    scratch_of,
 )
 from asyncckpt._gpu.pinned_pool import PinnedPool, block_size_for
 from asyncckpt._gpu.staging import spilled_group_sizes
@@ -33,8 +38,8 @@ WINDOW = GiB
 
 def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int) -> int:  # type: ignore[no-untyped-def]
     """GPU memory a save run by ``plan`` may hold beyond the live state and an arena already allocated."""
-    if plan.mode == "device":
-        scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+    if plan.mode == "device":  # the copy's compressor works one group at a time
+        scratch = max(plan.group_bytes, largest) * SCRATCH_PER_RAW_BYTE
         return max(arena, device_bytes * slots) - arena + scratch + plan.window_bytes
     if plan.mode == "fence":
         scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
@@ -62,6 +67,8 @@ def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str, fence_all
             assert plan.mode == "host", where
         if not fence_allowed:
             assert plan.mode != "fence", where
+        if plan.mode == "device":
+            assert MIN_GROUP_BYTES <= plan.group_bytes <= MAX_GROUP_BYTES, where
         if plan.mode == "fence":
             assert MIN_GROUP_BYTES <= plan.group_bytes <= MAX_GROUP_BYTES, where
             assert plan.window_bytes is None and plan.max_compress_bytes >= largest, where
@@ -75,7 +82,17 @@ def test_auto_prefers_a_device_copy_then_a_fence() -> None:
     # The 1B benchmark state (16 GB) on an H200 with ~110 GB free: a quarter of it holds the copy,
     # whose compressor then works in smaller groups (it used to be fenced for want of 1 GiB groups).
     comfortable = plan_staging("device", 16 * GiB, 27 * GiB, 0, 1, 256 * MiB, WINDOW)
-    assert comfortable.mode == "device" and comfortable.group_bytes < MAX_GROUP_BYTES
+    assert comfortable.mode == "device" and comfortable.group_bytes == MAX_GROUP_BYTES
+    # The same run once its 16 GiB arena exists and the budget has shrunk (training, or a
+    # reference copy, took memory): the copy goes on in small groups (the arena costs nothing
+    # more), and where even those do not fit, the fence's groups are sized to what the arena
+    # leaves. Sizing them from the whole budget sent such saves to a raw host copy of the whole
+    # state, allocated on the training thread (seen on the H200 on 2026-12-05: one save() took 7 s).
+    shrunk = plan_staging("auto", 16 * GiB, 16 * GiB + WINDOW + 256 * MiB, 16 * GiB, 1, 16 * MiB, WINDOW)
+    assert shrunk.mode == "device" and shrunk.group_bytes == 32 * MiB
+    squeezed = plan_staging("auto", 16 * GiB, 16 * GiB + 512 * MiB, 16 * GiB, 1, 16 * MiB, WINDOW)
+    assert squeezed.mode == "fence", squeezed.reason
+    assert scratch_for(squeezed.group_bytes) <= 512 * MiB
     full = plan_staging("auto", 34 * GiB, 2500 * MiB, 0, 1, 256 * MiB, WINDOW)
     assert full.mode == "fence"
     assert "gpu_staging_budget_bytes" in full.reason
@@ -185,3 +202,26 @@ def test_checkpointer_reports_its_mode_and_why_and_preallocates(tmp_path: Path) 
     assert result.snapshot_mode == "host"
     assert "CPU" in result.snapshot_reason
     assert torch.equal(asyncckpt.load(tmp_path)["w"], state["w"])
+
+
+@given(st.lists(st.integers(min_value=0, max_value=1 << 34), min_size=2, max_size=40))
+def test_halving_a_group_keeps_order_and_shrinks_the_larger_part(sizes: list[int]) -> None:
+    cut = halve(sizes)
+    assert 1 <= cut < len(sizes)
+    left, right = sizes[:cut], sizes[cut:]
+    total = sum(sizes)
+    # Each part holds at most half the bytes, plus the one tensor that straddles the middle.
+    assert sum(left) - left[-1] <= total / 2 and sum(right) - right[0] <= total / 2
+    # Halving again and again ends in single tensors: every part is smaller than the group.
+    assert len(left) < len(sizes) and len(right) < len(sizes)
+
+
+def test_a_copy_that_could_not_allocate_its_arena_fences_within_the_copys_scratch() -> None:
+    for budget in (17 * GiB + 256 * MiB, 20 * GiB, 40 * GiB):
+        copy = plan_staging("device", 16 * GiB, budget, 0, 1, 16 * MiB, WINDOW)
+        assert copy.mode == "device"
+        fenced = fenced_instead(copy, "the device arena could not be allocated")
+        assert fenced.mode == "fence" and fenced.resident_bytes == 0
+        # The fence keeps two groups in flight where the copy had one: no more scratch than the copy's.
+        assert scratch_of(fenced) <= max(scratch_of(copy), scratch_for(MIN_GROUP_BYTES))
+        assert fenced_instead(copy, "no arena", fence_allowed=False).mode == "host"

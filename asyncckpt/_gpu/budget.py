@@ -5,9 +5,10 @@ it measures then (free GPU memory, the state's size, the host budget) and record
 snapshot, so a :class:`~asyncckpt.result.SaveResult` says which mode ran and why.
 
 The compressor never holds more GPU memory than its scratch: it compresses the state in groups
-of ``group_bytes`` of consecutive tensors, at most :data:`GROUPS_IN_FLIGHT` groups' bytes in
-flight (one encoding while the previous one is resolved; a tensor larger than that alone), each
-costing at most :data:`SCRATCH_PER_RAW_BYTE` times its raw size (nvCOMP's outputs for every
+of ``group_bytes`` of consecutive tensors, each costing at most :data:`SCRATCH_PER_RAW_BYTE` times
+its raw size. A ``fence`` keeps :data:`GROUPS_IN_FLIGHT` groups' bytes in flight (one encoding
+while the previous one is resolved; a tensor larger than that alone); staged copies that stay put
+(``device``, ``host``) are compressed one group at a time (nvCOMP's outputs for every
 ``auto`` candidate, a byte-plane copy, the packed result, an upload buffer, allocator slack).
 Compressed groups stay on the GPU while they fit ``resident_bytes``; the rest goes to pinned
 host memory (:mod:`asyncckpt._gpu.pinned_pool`), bounded by the host staging budget.
@@ -37,6 +38,7 @@ SCRATCH_PER_RAW_BYTE = 8
 bounded a little above the raw size), a byte-plane copy, the packed result, an upload buffer for
 host-staged tensors, and slack for PyTorch's caching allocator, which keeps freed blocks."""
 GROUPS_IN_FLIGHT = 2
+"""Groups a ``fence`` compressor has in flight; a staged copy's compressor has one."""
 MIN_GROUP_BYTES = 16 << 20
 """Below this, per-call overheads dominate (~0.6 ms host time per nvCOMP call)."""
 MAX_GROUP_BYTES = 1 << 30
@@ -85,8 +87,32 @@ def plan_groups(sizes: Sequence[int], group_bytes: int) -> list[list[int]]:
     return [g for g in groups if g]
 
 
-def scratch_for(group_bytes: int) -> int:
-    return group_bytes * SCRATCH_PER_RAW_BYTE * GROUPS_IN_FLIGHT
+def halve(sizes: Sequence[int]) -> int:
+    """Where to cut consecutive tensors of ``sizes`` bytes (at least two) into two parts of about
+    equal bytes: the cut index, between 1 and ``len(sizes) - 1``."""
+    if len(sizes) < 2:
+        raise ValueError(f"cannot split {len(sizes)} tensors in two")
+    total, running = sum(sizes), 0
+    for index, n in enumerate(sizes[:-1]):
+        running += n
+        if 2 * running >= total:
+            return index + 1
+    return len(sizes) - 1
+
+
+def scratch_for(group_bytes: int, in_flight: int = GROUPS_IN_FLIGHT) -> int:
+    """GPU scratch of ``in_flight`` groups of ``group_bytes`` raw bytes."""
+    return group_bytes * SCRATCH_PER_RAW_BYTE * in_flight
+
+
+def copy_group_bytes_for(scratch_bytes: int) -> int:
+    """The largest group whose scratch, one group at a time, fits ``scratch_bytes`` (0: none fits)."""
+    return min(MAX_GROUP_BYTES, max(0, scratch_bytes) // SCRATCH_PER_RAW_BYTE)
+
+
+def scratch_of(plan: StagingPlan) -> int:
+    """GPU scratch the compressor of a save run by ``plan`` may hold, a tensor larger than a group aside."""
+    return scratch_for(plan.group_bytes, GROUPS_IN_FLIGHT if plan.mode == "fence" else 1)
 
 
 def default_gpu_budget(free_bytes: int) -> int:
@@ -116,25 +142,27 @@ def plan_staging(
     """
     if requested == "host":
         return host_plan("snapshot='host' was asked for", budget_bytes - arena_bytes, window_bytes)
-    group = group_bytes_for(budget_bytes)
-    # In flight: GROUPS_IN_FLIGHT groups' bytes, or one tensor larger than that alone.
-    scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
     if requested in ("auto", "device"):
         arena = max(arena_bytes, device_bytes * slots)
-        # The copy's compressor gets what the arena and the writer's window leave: smaller groups
-        # than a fence would use, so a state that fits the budget is copied rather than fenced.
-        copy_group = group_bytes_for(budget_bytes - arena - window_bytes)
-        copy_scratch = max(scratch_for(copy_group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
-        if arena + copy_scratch + window_bytes <= budget_bytes:
+        # The copy's compressor gets what the arena and the writer's window leave, one group at a
+        # time. Small groups only slow compression, which still outruns the disk many times over.
+        copy_group = copy_group_bytes_for(budget_bytes - arena - window_bytes)
+        copy_scratch = max(copy_group, largest_tensor_bytes) * SCRATCH_PER_RAW_BYTE
+        if copy_group >= MIN_GROUP_BYTES and arena + copy_scratch + window_bytes <= budget_bytes:
             why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
             return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes)
+        smallest = max(MIN_GROUP_BYTES, largest_tensor_bytes) * SCRATCH_PER_RAW_BYTE
         why = (
-            f"a device copy needs {arena + copy_scratch + window_bytes} bytes of GPU memory but "
+            f"a device copy needs {arena + smallest + window_bytes} bytes of GPU memory but "
             f"gpu_staging_budget_bytes allows {budget_bytes}"
         )
     else:
         why = "snapshot='fence' was asked for"
+    # An arena allocated by earlier saves stays allocated: the fence's groups are sized to what it leaves.
     left = budget_bytes - arena_bytes
+    group = group_bytes_for(left)
+    # In flight: GROUPS_IN_FLIGHT groups' bytes, or one tensor larger than that alone.
+    scratch = max(scratch_for(group), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE)
     if not fence_allowed:
         return host_plan(f"{why}; codec='none' reads nothing before training moves on, so not fenced", left,
                          window_bytes)  # fmt: skip
@@ -166,6 +194,8 @@ def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> S
     """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
     if not fence_allowed:
         return host_plan(f"{why}; codec='none' cannot be fenced", plan.budget_bytes, plan.window_bytes or 0)
-    # Keeps the device plan's (smaller) groups: the arena just failed to allocate, so the GPU has less
-    # memory than the budget assumed, and small groups are what is likely to fit.
-    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, plan.group_bytes, 0)
+    # The device plan's (smaller) groups, split between the fence's groups in flight: the arena just
+    # failed to allocate, so the GPU has less memory than the budget assumed, and small groups are
+    # what is likely to fit.
+    group = max(MIN_GROUP_BYTES, plan.group_bytes // GROUPS_IN_FLIGHT)
+    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, group, 0)

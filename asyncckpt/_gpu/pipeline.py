@@ -59,7 +59,7 @@ from . import batch as batch
 from . import kernels as kernels
 from . import native as native
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
-from .budget import GROUPS_IN_FLIGHT, plan_groups
+from .budget import GROUPS_IN_FLIGHT, halve, plan_groups
 from .fence import FenceGate
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import BlobChannel, GpuSnapshot, Group
@@ -110,6 +110,8 @@ class CompressStats:
     gate_seconds: float = 0.0
     """Fence mode: compressor thread time until the gate opened (every read queued)."""
     probed: int = 0
+    group_bytes: int = 0
+    """Raw bytes per group the plan gave the compressor (retries after running short go smaller)."""
     spilled_bytes: int = 0
     """Compressed bytes copied to pinned host memory because they did not fit the GPU budget (fence)."""
     specs: Counter[str] = field(default_factory=Counter)
@@ -242,6 +244,7 @@ class GpuEncoder:
                     if session is None and gate is not None:
                         stats.notes.append("stored in full: the previous save was still being written")
                 group_bytes = snapshot.plan.group_bytes
+                stats.group_bytes = group_bytes
                 if session is not None:
                     session.exclude_duplicates(t.key for t in snapshot.tensors)
                     if session.base is not None:  # each tensor's delta forms take scratch beside it
@@ -341,22 +344,41 @@ class GpuEncoder:
 
     def _compress_stable(self, group: list[tuple[int, StagedTensor]], snapshot: GpuSnapshot,
                          stats: CompressStats, session: DeltaSave | None = None) -> tuple[Group, int]:  # fmt: skip
-        """Compress a group of staged bytes that stay put (arena or host copies): tensors over the
-        plan's ``max_compress_bytes``, and the whole group if GPU memory runs short, are stored raw."""
+        """Compress a group of staged bytes that stay put (arena or host copies); tensors over the
+        plan's ``max_compress_bytes`` are stored raw.
+
+        When GPU memory runs short, the part that failed is split in two by bytes and each half
+        tried again (the staged bytes do not change, so any retry is safe); only a tensor that
+        fails alone is stored raw. Compressor thread; the stream is current."""
         limit = snapshot.plan.max_compress_bytes
         raw = [pair for pair in group if pair[1].data.numel() > limit]
-        rest = [pair for pair in group if pair[1].data.numel() <= limit]
+        todo = [[pair for pair in group if pair[1].data.numel() <= limit]]
         blobs: Group = []
         nbytes = 0
-        if rest:
+        smallest_failed = None
+        while todo:
+            part = todo.pop()
+            if not part:
+                continue
             try:
-                blobs, nbytes, _packed = self._resolve(self._enqueue(rest, session), stats)
+                got, size, _packed = self._resolve(self._enqueue(part, session), stats)
             except torch.cuda.OutOfMemoryError:
-                note = f"GPU memory ran short: {len(rest)} tensors stored raw"
-                stats.notes.append(note)
-                log.warning("asyncckpt: %s", note)
-                raw += rest
-                blobs = []
+                smallest_failed = min(smallest_failed or 1 << 62, _group_raw(part))
+                if len(part) == 1:
+                    raw += part
+                else:
+                    cut = halve(_tensor_sizes(part))
+                    todo += [part[cut:], part[:cut]]  # the first half next: blobs stay roughly in order
+                continue
+            blobs += got
+            nbytes += size
+        if smallest_failed is not None:
+            note = (
+                f"GPU memory ran short while compressing: parts down to {smallest_failed} bytes failed, "
+                f"{len(raw)} tensors stored raw"
+            )
+            stats.notes.append(note)
+            log.warning("asyncckpt: %s", note)
         for index, staged in raw:
             blobs.append(_raw_blob(index, staged.data, stats))
             nbytes += staged.data.numel()
@@ -697,6 +719,10 @@ def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int
 
 def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:
     return sum(staged.data.numel() for _index, staged in group)
+
+
+def _tensor_sizes(group: list[tuple[int, StagedTensor]]) -> list[int]:
+    return [staged.data.numel() for _index, staged in group]
 
 
 def _raw_bytes(encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]]) -> int:

@@ -38,7 +38,7 @@ from .. import _alignment as alignment
 from .._snapshot import HostStager
 from .._tree import FlatState
 from . import fence as fence
-from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_for
+from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -317,7 +317,7 @@ class GpuStager:
             self.fence_allowed,
         )
         if plan.mode != "host":
-            granted = scratch_for(plan.group_bytes) + plan.resident_bytes
+            granted = scratch_of(plan) + plan.resident_bytes
             self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))
         return plan
 
