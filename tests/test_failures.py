@@ -125,3 +125,26 @@ def test_a_posix_writer_that_failed_refuses_every_later_append_and_sync(tmp_path
     proc = run_python(_WRITER_AFTER_A_FAILURE, str(tmp_path / "data.bin"))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"big": "File too large", "small": "File too large", "sync": "File too large"}
+
+
+def test_a_replacing_publish_that_fails_to_rename_puts_the_old_checkpoint_back(
+    tmp_path: Path, small_filesystem: Path
+) -> None:
+    """publish(replace=True) moves the old checkpoint aside first; when the rename of the new one then
+    fails (here for real: EXDEV, the new one sits on another file system), the old one comes back."""
+    from asyncckpt._commit import publish
+
+    run = tmp_path / "run"
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with asyncckpt.AsyncCheckpointer(run) as ckpt:
+        final = ckpt.save(1, state).result().path
+    before = sorted(p.name for p in run.iterdir())
+    replacement = small_filesystem / "replacement"
+    shutil.copytree(final, replacement)
+    with pytest.raises(OSError) as raised:
+        publish(replacement, final, replace=True)
+    assert raised.value.errno == 18  # EXDEV: the failure this test is about, not an earlier one
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing left aside, nothing new
+    assert torch.equal(asyncckpt.load(run, step=1)["w"], state["w"])
+    assert asyncckpt.verify(run, step=1).tensors == 1  # raises on anything corrupt
+    assert replacement.is_dir()  # the caller still holds its temporary directory to clean up
