@@ -39,7 +39,8 @@ WINDOW = GiB
 def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int) -> int:  # type: ignore[no-untyped-def]
     """GPU memory a save run by ``plan`` may hold beyond the live state and an arena already allocated."""
     if plan.mode == "device":  # the copy's compressor works one group at a time
-        scratch = max(plan.group_bytes, largest) * SCRATCH_PER_RAW_BYTE
+        compressed_largest = min(largest, plan.max_compress_bytes)  # larger tensors are stored raw
+        scratch = max(plan.group_bytes, compressed_largest) * SCRATCH_PER_RAW_BYTE if plan.max_compress_bytes else 0
         return max(arena, device_bytes * slots) - arena + scratch + plan.window_bytes
     if plan.mode == "fence":
         scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
@@ -90,9 +91,17 @@ def test_auto_prefers_a_device_copy_then_a_fence() -> None:
     # state, allocated on the training thread (seen on the H200 on 2026-12-05: one save() took 7 s).
     shrunk = plan_staging("auto", 16 * GiB, 16 * GiB + WINDOW + 256 * MiB, 16 * GiB, 1, 16 * MiB, WINDOW)
     assert shrunk.mode == "device" and shrunk.group_bytes == 32 * MiB
-    squeezed = plan_staging("auto", 16 * GiB, 16 * GiB + 512 * MiB, 16 * GiB, 1, 16 * MiB, WINDOW)
-    assert squeezed.mode == "fence", squeezed.reason
-    assert scratch_for(squeezed.group_bytes) <= 512 * MiB
+    # Where not even the window fits beside it, the allocated arena is still the cheapest place:
+    # the copy costs no memory, the window and groups shrink, the largest tensors go uncompressed
+    # (a fence would need the same scratch and hold training; a host copy would pin 16 GB).
+    squeezed = plan_staging("auto", 16 * GiB, 16 * GiB + 1200 * MiB, 16 * GiB, 1, 256 * MiB, WINDOW)
+    assert squeezed.mode == "device" and "arena earlier saves allocated" in squeezed.reason
+    assert squeezed.window_bytes == 600 * MiB and squeezed.max_compress_bytes == 75 * MiB
+    starved = plan_staging("device", 16 * GiB, 15 * GiB, 16 * GiB, 1, 256 * MiB, WINDOW)
+    assert starved.mode == "device" and starved.max_compress_bytes == 0 and starved.window_bytes == 0
+    # Without an arena yet, the same budget fences with groups sized to it.
+    fresh = plan_staging("auto", 16 * GiB, 1200 * MiB, 0, 1, 16 * MiB, WINDOW)
+    assert fresh.mode == "fence" and scratch_for(fresh.group_bytes) <= 1200 * MiB
     full = plan_staging("auto", 34 * GiB, 2500 * MiB, 0, 1, 256 * MiB, WINDOW)
     assert full.mode == "fence"
     assert "gpu_staging_budget_bytes" in full.reason

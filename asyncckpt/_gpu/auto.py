@@ -52,6 +52,16 @@ class CodecChooser:
                 return (choice.spec,)
         return auto_candidates(dtype)
 
+    def spec_without_probe(self, key: str, dtype: torch.dtype) -> tuple[CodecSpec, ...]:
+        """At most one spec, using up none of a remembered choice's uses: the remembered spec, else
+        ``auto``'s first guess. For retries after GPU memory ran short, where a probe (every
+        candidate's output at once) is what does not fit."""
+        if self.codec in ("auto",):
+            with self._lock:
+                choice = self._memory.get((key, dtype))
+            return (choice.spec,) if choice is not None else auto_candidates(dtype)[:1]
+        return self.specs_for(key, dtype)
+
     def chose(self, key: str, dtype: torch.dtype, spec: CodecSpec) -> None:
         """Remember the spec a probe picked for ``key``."""
         if self.codec == "auto":

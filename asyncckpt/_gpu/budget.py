@@ -16,8 +16,10 @@ host memory (:mod:`asyncckpt._gpu.pinned_pool`), bounded by the host staging bud
 Modes:
 
 ``device``
-    The whole state copied into an arena at ``save()``. Only when the arena plus the
-    compressor's scratch fits the budget; otherwise the save runs as ``fence`` and says so.
+    The whole state copied into an arena at ``save()``. When the arena plus the compressor's
+    scratch fits the budget, or when earlier saves allocated the arena already (it stays
+    allocated, so it costs nothing more; the compressor gets what the budget leaves beside it);
+    otherwise the save runs as ``fence`` and says so.
 ``fence``
     Nothing copied; the next ``optimizer.step()`` waits until the compressor has read every
     tensor. Works at any state size: memory is the scratch, plus compressed bytes kept on the GPU
@@ -151,6 +153,8 @@ def plan_staging(
         if copy_group >= MIN_GROUP_BYTES and arena + copy_scratch + window_bytes <= budget_bytes:
             why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
             return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes)
+        if device_bytes and arena_bytes >= device_bytes * slots:
+            return into_allocated_arena(requested, budget_bytes, arena_bytes, largest_tensor_bytes, window_bytes)
         smallest = max(MIN_GROUP_BYTES, largest_tensor_bytes) * SCRATCH_PER_RAW_BYTE
         why = (
             f"a device copy needs {arena + smallest + window_bytes} bytes of GPU memory but "
@@ -177,6 +181,28 @@ def plan_staging(
         why += ": fenced instead (the next optimizer step waits until the state has been read)"
     # Compressed output kept on the GPU is held until written, by every save in flight.
     return StagingPlan("fence", why, budget_bytes, group, (left - scratch) // max(1, slots))
+
+
+def into_allocated_arena(
+    requested: str, budget_bytes: int, arena_bytes: int, largest_tensor_bytes: int, window_bytes: int
+) -> StagingPlan:
+    """A ``device`` copy into the arena earlier saves allocated, whatever the budget leaves beside it.
+
+    The arena stays allocated in every mode, so copying into it costs no memory; a fence would
+    need the same scratch beside it and hold training, a host copy would pin the whole state.
+    The writer's window and the compressor's groups shrink to what is left; tensors whose scratch
+    does not fit are stored raw (all of them when not even a group of :data:`MIN_GROUP_BYTES` fits).
+    """
+    left = max(0, budget_bytes - arena_bytes)
+    window = min(window_bytes, left // 2)
+    group = copy_group_bytes_for(left - window)
+    compress = group >= MIN_GROUP_BYTES
+    limit = NO_LIMIT if compress and largest_tensor_bytes <= group else (group if compress else 0)
+    why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
+    why += f": into the arena earlier saves allocated, with {left} bytes of the budget left beside it"
+    if limit != NO_LIMIT:
+        why += f" (tensors over {limit} bytes stored uncompressed)"
+    return StagingPlan("device", why, budget_bytes, max(group, MIN_GROUP_BYTES), 0, window, limit)
 
 
 def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:

@@ -111,7 +111,12 @@ class CompressStats:
     """Fence mode: compressor thread time until the gate opened (every read queued)."""
     probed: int = 0
     group_bytes: int = 0
-    """Raw bytes per group the plan gave the compressor (retries after running short go smaller)."""
+    """Raw bytes per group the compressor started with (the plan's; a third of it in a delta save)."""
+    short_parts: int = 0
+    """Parts of a staged copy whose compression ran out of GPU memory (each then retried in halves)."""
+    short_smallest_bytes: int = 0
+    short_raw_tensors: int = 0
+    """Tensors of a staged copy stored raw because GPU memory ran short even for them alone."""
     spilled_bytes: int = 0
     """Compressed bytes copied to pinned host memory because they did not fit the GPU budget (fence)."""
     specs: Counter[str] = field(default_factory=Counter)
@@ -249,6 +254,7 @@ class GpuEncoder:
                     session.exclude_duplicates(t.key for t in snapshot.tensors)
                     if session.base is not None:  # each tensor's delta forms take scratch beside it
                         group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // DELTA_SCRATCH_FACTOR)
+                        stats.group_bytes = group_bytes
                 groups = self._plan(snapshot.tensors, group_bytes)
                 if gate is not None:
                     self._compress_fenced(snapshot, gate, groups, stats, began, session, group_bytes)
@@ -257,6 +263,14 @@ class GpuEncoder:
                         compressed = self._compress_stable(group, snapshot, stats, session)
                         if channel.cancelled or not channel.put(*compressed):
                             break
+                    if stats.short_parts:
+                        note = (
+                            f"GPU memory ran short while compressing: {stats.short_parts} parts failed (the smallest "
+                            f"{stats.short_smallest_bytes} bytes) and were retried in halves; "
+                            f"{stats.short_raw_tensors} tensors stored raw"
+                        )
+                        stats.notes.append(note)
+                        log.warning("asyncckpt: %s", note)
         except BaseException as exc:  # noqa: BLE001 - handed to the worker through the channel
             error = exc
             log.error("asyncckpt: GPU compression failed: %s: %s", type(exc).__name__, exc)
@@ -294,12 +308,13 @@ class GpuEncoder:
         todo = deque(groups)
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
         outgoing: deque[_Outgoing] = deque()
+        retrying = False  # after running short, no auto probe: every candidate's output at once is what did not fit
         while (todo or encoding) and not channel.cancelled:
             try:
                 # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
                 # than a group is encoded alone, which is what the plan's scratch allows for.
                 while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
-                    encoding.append((todo[0], self._enqueue(todo[0], session)))
+                    encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
                 blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
                 encoding.popleft()
@@ -309,6 +324,7 @@ class GpuEncoder:
                 # that does not fit alone goes raw to pinned memory.
                 retry = [g for g, _work in encoding] + list(todo)
                 encoding.clear()
+                retrying = True
                 if group_bytes > MIN_RETRY_GROUP_BYTES:
                     group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // 2)
                     in_flight_bytes = GROUPS_IN_FLIGHT * group_bytes
@@ -348,37 +364,36 @@ class GpuEncoder:
         plan's ``max_compress_bytes`` are stored raw.
 
         When GPU memory runs short, the part that failed is split in two by bytes and each half
-        tried again (the staged bytes do not change, so any retry is safe); only a tensor that
-        fails alone is stored raw. Compressor thread; the stream is current."""
+        tried again with one codec per tensor (no probe); the staged bytes do not change, so any
+        retry is safe. A single tensor, or a part under :data:`MIN_RETRY_GROUP_BYTES`, that fails
+        is stored raw. Failures are counted in ``stats`` (one note per save, see :meth:`_compress`).
+        Compressor thread; the stream is current."""
         limit = snapshot.plan.max_compress_bytes
         raw = [pair for pair in group if pair[1].data.numel() > limit]
         todo = [[pair for pair in group if pair[1].data.numel() <= limit]]
         blobs: Group = []
         nbytes = 0
-        smallest_failed = None
-        while todo:
+        retrying = False
+        while todo and not snapshot.channel.cancelled:
             part = todo.pop()
             if not part:
                 continue
             try:
-                got, size, _packed = self._resolve(self._enqueue(part, session), stats)
+                got, size, _packed = self._resolve(self._enqueue(part, session, probe=not retrying), stats)
             except torch.cuda.OutOfMemoryError:
-                smallest_failed = min(smallest_failed or 1 << 62, _group_raw(part))
-                if len(part) == 1:
+                retrying = True
+                size = _group_raw(part)
+                stats.short_parts += 1
+                stats.short_smallest_bytes = min(stats.short_smallest_bytes or size, size)
+                if len(part) == 1 or size < MIN_RETRY_GROUP_BYTES:
                     raw += part
+                    stats.short_raw_tensors += len(part)
                 else:
                     cut = halve(_tensor_sizes(part))
                     todo += [part[cut:], part[:cut]]  # the first half next: blobs stay roughly in order
                 continue
             blobs += got
             nbytes += size
-        if smallest_failed is not None:
-            note = (
-                f"GPU memory ran short while compressing: parts down to {smallest_failed} bytes failed, "
-                f"{len(raw)} tensors stored raw"
-            )
-            stats.notes.append(note)
-            log.warning("asyncckpt: %s", note)
         for index, staged in raw:
             blobs.append(_raw_blob(index, staged.data, stats))
             nbytes += staged.data.numel()
@@ -489,15 +504,18 @@ class GpuEncoder:
         groups = plan_groups([staged.data.numel() for staged in tensors], group_bytes)
         return [[(at[i], tensors[i]) for i in group] for group in groups]
 
-    def _enqueue(self, group: list[tuple[int, StagedTensor]], session: DeltaSave | None = None) -> _Work:
+    def _enqueue(self, group: list[tuple[int, StagedTensor]], session: DeltaSave | None = None,
+                 probe: bool = True) -> _Work:  # fmt: skip
         """Queue every kernel of one group on the stream; no host wait. The stream is current.
 
-        With a delta ``session``, each tensor's delta forms are encoded beside its own bytes."""
+        With a delta ``session``, each tensor's delta forms are encoded beside its own bytes.
+        ``probe=False`` (a retry after GPU memory ran short): one codec per form, no ``auto`` probe."""
         work = _Work(items=[], raw=[], pendings=[], keep_alive=[], session=session)
         wanted = {}
+        choose = self.chooser.specs_for if probe else self.chooser.spec_without_probe
         for index, staged in group:
             small = staged.data.numel() < MIN_COMPRESS_BYTES
-            specs = () if small else self.chooser.specs_for(staged.key, staged.dtype)
+            specs = () if small else choose(staged.key, staged.dtype)
             if specs:
                 wanted[len(work.items)] = specs
                 work.items.append((index, staged))
@@ -513,7 +531,7 @@ class GpuEncoder:
                 if deltas:  # delta bytes get their own codec choice (their planes differ from the tensor's)
                     forms[position].update(deltas)
                     work.keep_alive.extend(deltas.values())
-                    form_specs[position] = self.chooser.specs_for(_delta_key(staged.key), staged.dtype)
+                    form_specs[position] = choose(_delta_key(staged.key), staged.dtype)
         by_spec: dict[tuple[CodecSpec, str | None], list[int]] = {}
         for position, specs in wanted.items():
             for op in forms[position]:
