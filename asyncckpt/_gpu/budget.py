@@ -200,7 +200,9 @@ def into_allocated_arena(
     limit = NO_LIMIT if compress and largest_tensor_bytes <= group else (group if compress else 0)
     why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
     why += f": into the arena earlier saves allocated, with {left} bytes of the budget left beside it"
-    if limit != NO_LIMIT:
+    if limit == 0:
+        why += " (no room to compress: stored uncompressed)"
+    elif limit != NO_LIMIT:
         why += f" (tensors over {limit} bytes stored uncompressed)"
     return StagingPlan("device", why, budget_bytes, max(group, MIN_GROUP_BYTES), 0, window, limit)
 
