@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..options import CheckpointOptions
 from .delta_store import DeviceReferenceStore
 from .deps import kvikio, nvcomp, require_cuda
-from .pipeline import DEFAULT_WINDOW_BYTES, GpuEncoder
+from .pipeline import DEFAULT_WINDOW_BYTES, DELTA_SCRATCH_FACTOR, GpuEncoder
 from .staging import GpuStager
 from .storage import KvikioStorage
 
@@ -47,6 +47,8 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
     encoder.delta = build_delta_writer(
         options, lambda host_budget: DeviceReferenceStore(device, host_budget, options.gpu_staging_budget_bytes)
     )
+    if encoder.delta is not None:
+        stager.forms_per_tensor = DELTA_SCRATCH_FACTOR
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot,
                       delta=encoder.delta)  # fmt: skip
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then

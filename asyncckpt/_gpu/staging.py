@@ -26,6 +26,7 @@ decides, at every save, from the free memory measured then, and says why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -38,7 +39,7 @@ from .. import _alignment as alignment
 from .._snapshot import HostStager
 from .._tree import FlatState
 from . import fence as fence
-from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
+from .budget import NO_LIMIT, StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -231,6 +232,10 @@ class GpuStager:
         self.pool = PinnedPool(self.host.budget_bytes, device=device, held_elsewhere=self.host.allocated_bytes)
         """Pinned blocks for compressed bytes a ``fence`` save cannot keep on the GPU."""
         self._one_gpu = torch.cuda.device_count() == 1
+        self.forms_per_tensor = 1
+        """How many encodings of one tensor the compressor may hold at once: 1, or each delta form
+        beside the tensor's own bytes in an incremental save (set by the backend). A tensor larger
+        than a group is encoded alone, so its scratch counts this many times."""
         self.on_mode: Callable[[str, str], None] | None = None
         """Told the mode of each save and why (:class:`~asyncckpt._gpu.budget.StagingPlan`) before stage() returns."""
 
@@ -312,10 +317,13 @@ class GpuStager:
             budget,
             self.arena.allocated_bytes,
             self.slots,
-            largest,
+            largest * self.forms_per_tensor,
             self.window_bytes,
             self.fence_allowed,
         )
+        if self.forms_per_tensor > 1 and plan.max_compress_bytes < NO_LIMIT:
+            # The plan's limit is on one encoding's bytes; a tensor here may be encoded in every form.
+            plan = dataclasses.replace(plan, max_compress_bytes=plan.max_compress_bytes // self.forms_per_tensor)
         if plan.mode != "host":
             granted = scratch_of(plan) + plan.resident_bytes
             self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))
