@@ -16,15 +16,17 @@ import ctypes
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,6 @@ from asyncckpt._commands._progress import Progress as TerminalBar
 from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -294,21 +295,19 @@ def write_json(path: Path, data: Any) -> None:
     write_atomically(path, json.dumps(data, indent=1, sort_keys=False, default=_json_default) + "\n")
 
 
+def write_report(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """``<out>/<name>.json`` and ``.md``, each replaced in one rename: a benchmark calls this after every
+    part it measures, so a run killed by a time limit keeps what it had measured."""
+    write_json(out / f"{name}.json", report)
+    write_atomically(out / f"{name}.md", markdown)
+
+
 def _json_default(obj: object) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "__dataclass_fields__"):
         return asdict(obj)  # type: ignore[call-overload]
     raise TypeError(f"not JSON-serialisable: {type(obj).__name__}")
-
-
-def latest_result(prefix: str, prefer_gpu: bool = True, directory: Path = RESULTS_DIR) -> Path | None:
-    """The newest committed ``<prefix>-*.json`` (names start with the UTC date); GPU results first if asked."""
-    found = sorted(directory.glob(f"{prefix}-*.json"))
-    if prefer_gpu:
-        gpu = [p for p in found if "-cpu" not in p.stem]
-        found = gpu or found
-    return found[-1] if found else None
 
 
 # ---------------------------------------------------------------------------------------------- machine
@@ -500,6 +499,25 @@ def fmt_rate(bytes_per_second: float | None) -> str:
     return f"{fmt_bytes(bytes_per_second)}/s"
 
 
+def fmt_ratio(value: float | None, digits: int = 3) -> str:
+    """``1.402x``; "-" where there is no ratio (None, zero, or an empty divisor's infinity)."""
+    if not value or math.isinf(value):
+        return "-"
+    return f"{value:.{digits}f}x"
+
+
+def command_line(prog: str, argv: Sequence[str]) -> str:
+    """The command that ran, as a shell would take it, for the report."""
+    return f"{prog} {shlex.join(argv)}".strip()
+
+
+def fill_defaults(args: Any, sizes: dict[str, Any]) -> None:
+    """Set each of ``sizes`` on the parsed ``args`` where the command line left it None."""
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def utc_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -509,14 +527,3 @@ def result_name(prefix: str, machine: dict[str, Any], tiny: bool = False) -> str
     kind = "cpu" if not machine.get("gpu") else machine["gpu"].lower().replace("nvidia", "").strip().replace(" ", "")
     kind = "".join(c for c in kind if c.isalnum() or c == "-") or "gpu"
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{kind}{'-tiny' if tiny else ''}"
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    """``with timer() as t: ...`` then ``t[0]`` is the wall seconds."""
-    out: list[float] = []
-    began = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out.append(time.perf_counter() - began)

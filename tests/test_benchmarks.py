@@ -17,8 +17,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "docs" / "tools"))  # the cost model and report scripts
 
-from benchmarks import cost_model, report  # noqa: E402
+import cost_model  # noqa: E402
+import report  # noqa: E402
+
 from benchmarks.common import median, p95  # noqa: E402
 
 
@@ -212,6 +215,15 @@ def test_cost_model_reads_results_and_flags(tmp_path: Path, capsys: pytest.Captu
 def test_cost_model_without_measurements_says_which_flags(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--dcp-stage-gbps"):
         cost_model.main(["--results-dir", str(tmp_path)])
+
+
+def test_bench_command_says_it_needs_a_source_checkout() -> None:
+    from asyncckpt._commands.bench import _checkout_root
+    from asyncckpt.errors import CheckpointError
+
+    assert _checkout_root("docs/tools/cost_model.py") == REPO
+    with pytest.raises(CheckpointError, match="source checkout"):
+        _checkout_root("benchmarks/not_shipped.py")
 
 
 def test_bench_command_runs_the_cost_model() -> None:
