@@ -111,17 +111,6 @@ def test_report_imports_a_run_and_refreshes_the_doc(
     assert "| way to save | training blocked per save | durable after | bytes stored |" in first
 
 
-def test_save_call_tiny(tmp_path: Path) -> None:
-    run_module("benchmarks/save_call.py", "--tiny", "--out", str(tmp_path), "--label", "here")
-    report = json.loads((tmp_path / "save_call-here.json").read_text())
-    (row,) = report["rows"]  # CPU: the default AdamW, host staging
-    assert (row["optimizer"], row["mode"]) == ("adamw-foreach", "host")
-    assert row["tensors"] == row["cpu_tensors"] > 0 and len(row["samples_seconds"]) == 4
-    assert 0 < row["min_seconds"] <= row["median_seconds"] <= row["p90_seconds"]
-    assert "| adamw-foreach | host |" in (tmp_path / "save_call-here.md").read_text()
-    assert not list(tmp_path.glob("scratch-*")), "the scratch directory is left behind"
-
-
 def test_flatten_time_tiny_compares_two_trees() -> None:
     proc = run_module("benchmarks/flatten_time.py", str(REPO), str(REPO), "--tiny")
     report = json.loads(proc.stdout)
