@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,22 @@ class Workload:
             exp_avg.append(state["exp_avg"])
             exp_avg_sq.append(state["exp_avg_sq"])
         return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grads": grads}
+
+
+def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds: float) -> tuple[Any, dict[str, Any]]:
+    """Call ``save()`` on the training thread, then train until the handle it returned is ``done()``.
+
+    Returns the handle and what the save cost training: the call's seconds, and the time lost, which
+    is the call plus every step's excess over ``baseline_seconds`` until the handle was done.
+    """
+    began = time.perf_counter()
+    handle = save()
+    call = time.perf_counter() - began
+    steps = []
+    while not handle.done():
+        steps.append(work.step())
+    lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
+    return handle, {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -520,6 +536,14 @@ def fill_defaults(args: Any, sizes: dict[str, Any]) -> None:
 
 def utc_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def report_head(prog: str, argv: Sequence[str], machine: dict[str, Any]) -> dict[str, Any]:
+    """What a report opens with: when it ran, on what, with which versions, by which command."""
+    found = versions()
+    return {"when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()), "machine": machine, "versions": found,
+            "versions_line": ", ".join(f"{k} {v}" for k, v in found.items() if v),
+            "command": command_line(prog, argv)}  # fmt: skip
 
 
 def result_name(prefix: str, machine: dict[str, Any], tiny: bool = False) -> str:
