@@ -65,6 +65,18 @@ class WorkloadConfig:
         return self.heads or max(1, self.width // 128)
 
 
+def sized_workload(args: Any, sizes: dict[str, dict[str, Any]]) -> WorkloadConfig:
+    """The workload a benchmark's command line asks for. Every size it left None (``--width``,
+    ``--train-steps``, ...) is set on ``args`` from ``sizes["tiny"]`` under ``--tiny``, else from
+    ``sizes["gpu"]`` or ``sizes["cpu"]``, by the device ``--device`` resolves to."""
+    cuda = WorkloadConfig(width=0, layers=0, device=args.device).resolved_device().type == "cuda"
+    for key, value in sizes["tiny" if args.tiny else "gpu" if cuda else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return WorkloadConfig(width=args.width, layers=args.layers, heads=getattr(args, "heads", 0), context=args.context,
+                          batch=args.batch, device=args.device)  # fmt: skip
+
+
 class Workload:
     """A TinyGPT, its AdamW optimizer and a text stream; one :meth:`step` is one training step.
 
@@ -525,13 +537,6 @@ def fmt_ratio(value: float | None, digits: int = 3) -> str:
 def command_line(prog: str, argv: Sequence[str]) -> str:
     """The command that ran, as a shell would take it, for the report."""
     return f"{prog} {shlex.join(argv)}".strip()
-
-
-def fill_defaults(args: Any, sizes: dict[str, Any]) -> None:
-    """Set each of ``sizes`` on the parsed ``args`` where the command line left it None."""
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
 
 
 def utc_stamp() -> str:

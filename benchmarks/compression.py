@@ -38,15 +38,14 @@ from .common import (
     BarProgress,
     Progress,
     Workload,
-    WorkloadConfig,
     command_line,
     describe_machine,
-    fill_defaults,
     fmt_bytes,
     fmt_ratio,
     machine_label,
     median,
     result_name,
+    sized_workload,
     synchronize,
     utc_stamp,
     versions,
@@ -58,6 +57,15 @@ NO_COPY_BYTES_PER_SECOND = 5e12
 """Faster than any memory can copy: the codec returned a view of its input (``none``), not a throughput."""
 CLASS_DTYPES = {"weights_fp32": torch.float32, "weights_bf16": torch.bfloat16, "exp_avg": torch.float32,
                 "exp_avg_sq": torch.float32, "grads_fp32": torch.float32, "grads_bf16": torch.bfloat16}  # fmt: skip
+SIZES = {
+    "tiny": {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "sample_bytes": 1 << 20,
+             "cpu_sample_bytes": 1 << 20},
+    "gpu": {"width": 1024, "layers": 12, "context": 128, "batch": 16, "train_steps": 200,
+            "sample_bytes": 256 << 20, "cpu_sample_bytes": 64 << 20},
+    "cpu": {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200,
+            "sample_bytes": 32 << 20, "cpu_sample_bytes": 32 << 20},
+}  # fmt: skip
+"""The size defaults for ``--tiny``, a GPU and a CPU (what the command line leaves unset)."""
 _SOURCE = {"weights_fp32": "weights", "weights_bf16": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
            "grads_fp32": "grads", "grads_bf16": "grads"}  # fmt: skip
 
@@ -407,19 +415,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.co
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     progress = BarProgress(args.quiet)
-    cuda = WorkloadConfig(width=0, layers=0, device=args.device).resolved_device().type == "cuda"
-    if args.tiny:
-        sizes = {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "sample_bytes": 1 << 20,
-                 "cpu_sample_bytes": 1 << 20}  # fmt: skip
-    elif cuda:
-        sizes = {"width": 1024, "layers": 12, "context": 128, "batch": 16, "train_steps": 200,
-                 "sample_bytes": 256 << 20, "cpu_sample_bytes": 64 << 20}  # fmt: skip
-    else:
-        sizes = {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200,
-                 "sample_bytes": 32 << 20, "cpu_sample_bytes": 32 << 20}  # fmt: skip
-    fill_defaults(args, sizes)
-    config = WorkloadConfig(width=args.width, layers=args.layers, context=args.context, batch=args.batch,
-                            device=args.device)  # fmt: skip
+    config = sized_workload(args, SIZES)
     machine = describe_machine()
     name = args.name or result_name("compression", machine, args.tiny)
     with warnings.catch_warnings():

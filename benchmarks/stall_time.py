@@ -48,7 +48,6 @@ from .common import (
     WorkloadConfig,
     command_line,
     describe_machine,
-    fill_defaults,
     fmt_bytes,
     fmt_rate,
     fmt_ratio,
@@ -60,6 +59,7 @@ from .common import (
     release_memory,
     remove,
     result_name,
+    sized_workload,
     sync_training_stream,
     tensor_bytes,
     utc_stamp,
@@ -79,6 +79,15 @@ from .methods import (
 FORMAT_VERSION = 1
 OUTPUT_RESERVE_SECONDS = 15.0
 """Kept back from ``--time-limit`` for closing methods and writing the outputs."""
+SIZES = {
+    "tiny": {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "baseline_steps": 3,
+             "rounds": 1, "budget": 60.0, "probe_bytes": 8 << 20},
+    "gpu": {"width": 2048, "layers": 20, "context": 128, "batch": 16, "train_steps": 200, "baseline_steps": 20,
+            "rounds": 5, "budget": 400.0, "probe_bytes": 2 << 30},
+    "cpu": {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200, "baseline_steps": 10,
+            "rounds": 5, "budget": 120.0, "probe_bytes": 256 << 20},
+}  # fmt: skip
+"""The size and time defaults for ``--tiny``, a GPU and a CPU (what the command line leaves unset)."""
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -114,20 +123,6 @@ def build_parser(prog: str = "python -m benchmarks.stall_time") -> argparse.Argu
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib needed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
-
-
-def _defaults(args: argparse.Namespace, cuda: bool) -> None:
-    """Fill the size and time defaults for this machine (and for ``--tiny``)."""
-    if args.tiny:
-        sizes = {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "baseline_steps": 3,
-                 "rounds": 1, "budget": 60.0, "probe_bytes": 8 << 20}  # fmt: skip
-    elif cuda:
-        sizes = {"width": 2048, "layers": 20, "context": 128, "batch": 16, "train_steps": 200, "baseline_steps": 20,
-                 "rounds": 5, "budget": 400.0, "probe_bytes": 2 << 30}  # fmt: skip
-    else:
-        sizes = {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200, "baseline_steps": 10,
-                 "rounds": 5, "budget": 120.0, "probe_bytes": 256 << 20}  # fmt: skip
-    fill_defaults(args, sizes)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -476,11 +471,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.st
     args.command = command_line(prog, argv)
     started = time.perf_counter()
     progress = BarProgress(args.quiet)
-    config = WorkloadConfig(width=0, layers=0, device=args.device)
+    config = sized_workload(args, SIZES)
     cuda = config.resolved_device().type == "cuda"
-    _defaults(args, cuda)
-    config = WorkloadConfig(width=args.width, layers=args.layers, heads=args.heads, context=args.context,
-                            batch=args.batch, device=args.device)  # fmt: skip
     _method_names(args.methods, cuda)  # fail on a misspelt method now, not after training
     own_scratch = args.dir is None
     scratch = Path(tempfile.mkdtemp(prefix="asyncckpt-bench-")) if own_scratch else args.dir
