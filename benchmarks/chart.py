@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .common import fmt_bytes, machine_label
+from .common import fmt_bytes, fmt_seconds, machine_label
 
 COLORS = {"asyncckpt": "#2a9d5c", "dcp": "#3b6fb6", "torch": "#8a8a8a"}
 
@@ -49,7 +49,7 @@ def stall_chart(report: dict[str, Any], path: Path) -> None:
             blocked_ax.plot(max(sample["blocked_seconds"], floor), y, "o", ms=5, mec="black",
                             mfc="none" if i == 0 else "black", mew=0.8)  # fmt: skip
         right = max([med] + [x["blocked_seconds"] for x in e["samples"]])
-        blocked_ax.text(right * 1.4, y, _sec(s["blocked_seconds_median"]), va="center", fontsize=8)
+        blocked_ax.text(right * 1.4, y, fmt_seconds(s["blocked_seconds_median"]), va="center", fontsize=8)
     blocked_ax.set_xscale("log")
     blocked_ax.set_xlim(floor, max(blocked_all) * 12)
     blocked_ax.set_xlabel("training blocked per save (s, log)")
@@ -61,7 +61,7 @@ def stall_chart(report: dict[str, Any], path: Path) -> None:
         for sample in e["samples"]:
             durable_ax.plot(sample["durable_seconds"], y, "o", ms=4, color="black")
         right = max([s["durable_seconds_median"] or 0] + [x["durable_seconds"] for x in e["samples"]])
-        durable_ax.text(right + max(durable_all) * 0.03, y, _sec(s["durable_seconds_median"]), va="center",
+        durable_ax.text(right + max(durable_all) * 0.03, y, fmt_seconds(s["durable_seconds_median"]), va="center",
                         fontsize=8)  # fmt: skip
     xlabel = "seconds until durable"
     if storage.get("write_bytes_per_second"):
@@ -98,9 +98,3 @@ def stall_chart(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _sec(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"

@@ -16,15 +16,17 @@ import ctypes
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,6 @@ from asyncckpt._commands._progress import Progress as TerminalBar
 from asyncckpt.testing.demo_model import TextBatches, TinyGPT, stdlib_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -62,6 +63,18 @@ class WorkloadConfig:
 
     def resolved_heads(self) -> int:
         return self.heads or max(1, self.width // 128)
+
+
+def sized_workload(args: Any, sizes: dict[str, dict[str, Any]]) -> WorkloadConfig:
+    """The workload a benchmark's command line asks for. Every size it left None (``--width``,
+    ``--train-steps``, ...) is set on ``args`` from ``sizes["tiny"]`` under ``--tiny``, else from
+    ``sizes["gpu"]`` or ``sizes["cpu"]``, by the device ``--device`` resolves to."""
+    cuda = WorkloadConfig(width=0, layers=0, device=args.device).resolved_device().type == "cuda"
+    for key, value in sizes["tiny" if args.tiny else "gpu" if cuda else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return WorkloadConfig(width=args.width, layers=args.layers, heads=getattr(args, "heads", 0), context=args.context,
+                          batch=args.batch, device=args.device)  # fmt: skip
 
 
 class Workload:
@@ -134,6 +147,22 @@ class Workload:
             exp_avg.append(state["exp_avg"])
             exp_avg_sq.append(state["exp_avg_sq"])
         return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grads": grads}
+
+
+def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds: float) -> tuple[Any, dict[str, Any]]:
+    """Call ``save()`` on the training thread, then train until the handle it returned is ``done()``.
+
+    Returns the handle and what the save cost training: the call's seconds, and the time lost, which
+    is the call plus every step's excess over ``baseline_seconds`` until the handle was done.
+    """
+    began = time.perf_counter()
+    handle = save()
+    call = time.perf_counter() - began
+    steps = []
+    while not handle.done():
+        steps.append(work.step())
+    lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
+    return handle, {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -294,21 +323,19 @@ def write_json(path: Path, data: Any) -> None:
     write_atomically(path, json.dumps(data, indent=1, sort_keys=False, default=_json_default) + "\n")
 
 
+def write_report(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """``<out>/<name>.json`` and ``.md``, each replaced in one rename: a benchmark calls this after every
+    part it measures, so a run killed by a time limit keeps what it had measured."""
+    write_json(out / f"{name}.json", report)
+    write_atomically(out / f"{name}.md", markdown)
+
+
 def _json_default(obj: object) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "__dataclass_fields__"):
         return asdict(obj)  # type: ignore[call-overload]
     raise TypeError(f"not JSON-serialisable: {type(obj).__name__}")
-
-
-def latest_result(prefix: str, prefer_gpu: bool = True, directory: Path = RESULTS_DIR) -> Path | None:
-    """The newest committed ``<prefix>-*.json`` (names start with the UTC date); GPU results first if asked."""
-    found = sorted(directory.glob(f"{prefix}-*.json"))
-    if prefer_gpu:
-        gpu = [p for p in found if "-cpu" not in p.stem]
-        found = gpu or found
-    return found[-1] if found else None
 
 
 # ---------------------------------------------------------------------------------------------- machine
@@ -500,8 +527,28 @@ def fmt_rate(bytes_per_second: float | None) -> str:
     return f"{fmt_bytes(bytes_per_second)}/s"
 
 
+def fmt_ratio(value: float | None, digits: int = 3) -> str:
+    """``1.402x``; "-" where there is no ratio (None, zero, or an empty divisor's infinity)."""
+    if not value or math.isinf(value):
+        return "-"
+    return f"{value:.{digits}f}x"
+
+
+def command_line(prog: str, argv: Sequence[str]) -> str:
+    """The command that ran, as a shell would take it, for the report."""
+    return f"{prog} {shlex.join(argv)}".strip()
+
+
 def utc_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def report_head(prog: str, argv: Sequence[str], machine: dict[str, Any]) -> dict[str, Any]:
+    """What a report opens with: when it ran, on what, with which versions, by which command."""
+    found = versions()
+    return {"when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()), "machine": machine, "versions": found,
+            "versions_line": ", ".join(f"{k} {v}" for k, v in found.items() if v),
+            "command": command_line(prog, argv)}  # fmt: skip
 
 
 def result_name(prefix: str, machine: dict[str, Any], tiny: bool = False) -> str:
@@ -509,14 +556,3 @@ def result_name(prefix: str, machine: dict[str, Any], tiny: bool = False) -> str
     kind = "cpu" if not machine.get("gpu") else machine["gpu"].lower().replace("nvidia", "").strip().replace(" ", "")
     kind = "".join(c for c in kind if c.isalnum() or c == "-") or "gpu"
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{kind}{'-tiny' if tiny else ''}"
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    """``with timer() as t: ...`` then ``t[0]`` is the wall seconds."""
-    out: list[float] = []
-    began = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out.append(time.perf_counter() - began)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 import warnings
@@ -39,17 +38,18 @@ from .common import (
     BarProgress,
     Progress,
     Workload,
-    WorkloadConfig,
+    command_line,
     describe_machine,
     fmt_bytes,
+    fmt_ratio,
     machine_label,
     median,
     result_name,
+    sized_workload,
     synchronize,
     utc_stamp,
     versions,
-    write_atomically,
-    write_json,
+    write_report,
 )
 
 FORMAT_VERSION = 1
@@ -57,6 +57,15 @@ NO_COPY_BYTES_PER_SECOND = 5e12
 """Faster than any memory can copy: the codec returned a view of its input (``none``), not a throughput."""
 CLASS_DTYPES = {"weights_fp32": torch.float32, "weights_bf16": torch.bfloat16, "exp_avg": torch.float32,
                 "exp_avg_sq": torch.float32, "grads_fp32": torch.float32, "grads_bf16": torch.bfloat16}  # fmt: skip
+SIZES = {
+    "tiny": {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "sample_bytes": 1 << 20,
+             "cpu_sample_bytes": 1 << 20},
+    "gpu": {"width": 1024, "layers": 12, "context": 128, "batch": 16, "train_steps": 200,
+            "sample_bytes": 256 << 20, "cpu_sample_bytes": 64 << 20},
+    "cpu": {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200,
+            "sample_bytes": 32 << 20, "cpu_sample_bytes": 32 << 20},
+}  # fmt: skip
+"""The size defaults for ``--tiny``, a GPU and a CPU (what the command line leaves unset)."""
 _SOURCE = {"weights_fp32": "weights", "weights_bf16": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
            "grads_fp32": "grads", "grads_bf16": "grads"}  # fmt: skip
 
@@ -340,7 +349,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {cls} | {e['dtype']} | {fmt_bytes(e['sample_bytes'])} "
                      f"| {ent['bound_ratio_planes']:.3f}x ({ent['bound_ratio_interleaved']:.3f}x) "
                      f"| {' / '.join(f'{b:.2f}' for b in ent['plane_bits_per_byte'])} | {chose_text} "
-                     f"| {_ratio(auto.get('ratio'))} |")  # fmt: skip
+                     f"| {fmt_ratio(auto.get('ratio'))} |")  # fmt: skip
     rows: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any] | None]]] = []
     first = classes[names[0]] if names else {}
     for codec in first.get("library", {}):
@@ -368,11 +377,11 @@ def markdown(report: dict[str, Any]) -> str:
             elif "error" in r:
                 cells.append("error")
             else:
-                rate = r.get("compress_bytes_per_second")
+                rate, ratio = r.get("compress_bytes_per_second"), fmt_ratio(r.get("ratio"))
                 if rate and rate > NO_COPY_BYTES_PER_SECOND:
-                    cells.append(f"{_ratio(r.get('ratio'))} (no copy)")
+                    cells.append(f"{ratio} (no copy)")
                 else:
-                    cells.append(f"{_ratio(r.get('ratio'))} @ {rate / 1e9:.3g}" if rate else _ratio(r.get("ratio")))
+                    cells.append(f"{ratio} @ {rate / 1e9:.3g}" if rate else ratio)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "The order-0 limit is the best ratio of a coder that codes every byte on its own (as ANS does), from "
               "the entropy of each byte plane; LZ coders such as zstd can pass it by exploiting repeats. "
@@ -402,29 +411,11 @@ def _typed(key: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _ratio(value: float | None) -> str:
-    return f"{value:.3f}x" if value else "-"
-
-
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.compression") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     progress = BarProgress(args.quiet)
-    cuda = WorkloadConfig(width=0, layers=0, device=args.device).resolved_device().type == "cuda"
-    if args.tiny:
-        sizes = {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "sample_bytes": 1 << 20,
-                 "cpu_sample_bytes": 1 << 20}  # fmt: skip
-    elif cuda:
-        sizes = {"width": 1024, "layers": 12, "context": 128, "batch": 16, "train_steps": 200,
-                 "sample_bytes": 256 << 20, "cpu_sample_bytes": 64 << 20}  # fmt: skip
-    else:
-        sizes = {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200,
-                 "sample_bytes": 32 << 20, "cpu_sample_bytes": 32 << 20}  # fmt: skip
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    config = WorkloadConfig(width=args.width, layers=args.layers, context=args.context, batch=args.batch,
-                            device=args.device)  # fmt: skip
+    config = sized_workload(args, SIZES)
     machine = describe_machine()
     name = args.name or result_name("compression", machine, args.tiny)
     with warnings.catch_warnings():
@@ -434,7 +425,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.co
                      f"model, training {args.train_steps} steps")  # fmt: skip
         workload.train(args.train_steps, progress)
         head = {"benchmark": "compression", "format": FORMAT_VERSION, "created_utc": utc_stamp(),
-                "command": f"{prog} {shlex.join(argv)}".strip(), "tiny": args.tiny, "machine": machine,
+                "command": command_line(prog, argv), "tiny": args.tiny, "machine": machine,
                 "versions": versions(),
                 "model": {"parameters": workload.parameters, "width": config.width, "layers": config.layers,
                           "train_steps": args.train_steps, "device": workload.device.type,
@@ -443,8 +434,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.co
 
         def write(measured: dict[str, Any]) -> dict[str, Any]:  # after every class: a killed run keeps its rows
             report = {**head, **measured}
-            write_json(args.out / f"{name}.json", report)
-            write_atomically(args.out / f"{name}.md", markdown(report))
+            write_report(args.out, name, report, markdown(report))
             return report
 
         report = write(measure_classes(workload, args.sample_bytes, args.cpu_sample_bytes, progress, write))

@@ -26,7 +26,6 @@ the same step, both checked bit for bit against the state saved.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import statistics
 import sys
@@ -49,12 +48,14 @@ from .common import (
     describe_machine,
     fmt_bytes,
     fmt_rate,
+    fmt_ratio,
     fmt_seconds,
     path_bytes,
+    report_head,
     result_name,
     synchronize,
-    versions,
-    write_json,
+    train_while_saving,
+    write_report,
 )
 from .compression import library_encoders, plane_entropy
 
@@ -181,14 +182,9 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
     synchronize(work.device)
     began = time.perf_counter()
-    handle = ckpt.save(work.steps_done, state)
-    call = time.perf_counter() - began
-    steps = []
-    while not handle.done():
-        steps.append(work.step())
+    handle, cost = train_while_saving(work, lambda: ckpt.save(work.steps_done, state), baseline)
     result = handle.result()
-    return {"step": result.step, "durable_seconds": time.perf_counter() - began, "call_seconds": call,
-            "lost_seconds": call + sum(max(0.0, s - baseline) for s in steps), "steps_while_persisting": len(steps),
+    return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
             "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes}  # fmt: skip
 
 
@@ -239,11 +235,6 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
             "baseline_step_seconds": baseline, "bytes_on_disk": read}  # fmt: skip
 
 
-def _ratio_cell(entry: dict[str, Any], name: str) -> str:
-    value = entry["ratio"].get(name)
-    return "-" if value is None or math.isinf(value) else f"{value:.3f}x"
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = ["# Incremental (delta) checkpoints", "",
              f"{report['when']}, {report['machine'].get('gpu') or 'CPU'}; {report['versions_line']}. "
@@ -259,9 +250,8 @@ def markdown(report: dict[str, Any]) -> str:
                 bounds = e.get("entropy_bound_ratio", {})
                 bound = " / ".join(f"{bounds[op]:.3f}x" for op in DELTA_OPS if op in bounds) or "-"
                 rate = e.get("delta_bytes_per_second", {}).get("sub")
-                lines.append(f"| {interval} | {cls} | {_ratio_cell(e, 'full')} | {_ratio_cell(e, 'xor')} "
-                             f"| {_ratio_cell(e, 'sub')} | {_ratio_cell(e, 'best')} | {bound} "
-                             f"| {fmt_rate(rate) if rate else '-'} |")  # fmt: skip
+                ratios = " | ".join(fmt_ratio(e["ratio"].get(name)) for name in ("full", "xor", "sub", "best"))
+                lines.append(f"| {interval} | {cls} | {ratios} | {bound} | {fmt_rate(rate)} |")
         lines.append("")
     chain = report.get("chain")
     if chain:
@@ -303,21 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = WorkloadConfig(width=width, layers=layers, context=32 if args.tiny else 128, batch=2 if args.tiny else 8)
     progress = BarProgress()
     machine = describe_machine(args.scratch)
-    v = versions()
     precisions = [p for p in args.precisions.split(",") if p]
-    report: dict[str, Any] = {
-        "when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()), "machine": machine, "versions": v,
-        "versions_line": ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        "command": "python -m benchmarks.delta " + " ".join(sys.argv[1:] if argv is None else argv),
-        "ratios": [], "chain": None,
-    }  # fmt: skip
+    report: dict[str, Any] = {**report_head("python -m benchmarks.delta", sys.argv[1:] if argv is None else argv,
+                                            machine), "ratios": [], "chain": None}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
     name = result_name("delta", machine, args.tiny)
-
-    def write() -> None:  # after every part: a time limit keeps what ran
-        write_json(args.out / f"{name}.json", report)
-        (args.out / f"{name}.md").write_text(markdown(report))
 
     steps: list[Callable[[], None]] = [
         *(lambda p=p: report["ratios"].append(run_ratios(args, config, p, progress)) for p in precisions),
@@ -326,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.start_bar("intervals and saves", len(precisions) * len(args.intervals.split(",")) + args.chain, "steps")
     for run in steps:
         run()
-        write()
+        write_report(args.out, name, report, markdown(report))  # after every part: a time limit keeps what ran
     progress.close_bar()
     print(markdown(report))
     return 0

@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,14 @@ from benchmarks.common import (
     path_bytes,
     release_memory,
     remove,
+    report_head,
     result_name,
     tensor_bytes,
-    versions,
-    write_json,
+    train_while_saving,
+    write_report,
 )
 from benchmarks.methods import Asyncckpt, Unavailable, build_method
+from benchmarks.probes import storage_pass
 
 DEFAULT_SIZES = "2560x13,4096x14"
 """1.0B and 2.8B parameters (33.9 GB of weights and AdamW moments, the issue's setup)."""
@@ -69,21 +70,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke test")
     p.add_argument("--chart", type=Path, help="draw the chart of this JSON report and exit")
     return p.parse_args(argv)
-
-
-def disk_write_bandwidth(scratch: Path, nbytes: int) -> float:
-    """Bytes per second of one sequential write plus fsync of ``nbytes``, on the scratch file system."""
-    path = scratch / "disk-probe.bin"
-    block = os.urandom(64 << 20)
-    began = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // len(block))):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - began
-    path.unlink()
-    return max(1, nbytes // len(block)) * len(block) / seconds
 
 
 def fill_gpu(device: torch.device, leave_bytes: int) -> torch.Tensor | None:
@@ -105,19 +91,11 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     if work.device.type == "cuda":
         torch.cuda.synchronize(work.device)
     gpu_before, host_before = sampler.reset()
-    began = time.perf_counter()
-    pending = method.save(step, checkpoint_state(work))
-    call = time.perf_counter() - began
-    steps = []
-    while not pending.done():
-        steps.append(work.step())
+    pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline)
     finished = pending.finish()
     gpu_peak, host_peak = sampler.peaks()
-    lost = call + sum(max(0.0, s - baseline) for s in steps)
     row = {
-        "call_seconds": call,
-        "lost_seconds": lost,
-        "steps_while_persisting": len(steps),
+        **cost,
         "durable_seconds": finished.durable_seconds,
         "stored_bytes": path_bytes(finished.path),
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
@@ -273,16 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             args.methods = "asyncckpt:host:auto,dcp.async_save"
     args.scratch.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    disk = disk_write_bandwidth(args.scratch, (64 << 20) if args.tiny else (4 << 30))
+    disk = storage_pass(args.scratch, (64 << 20) if args.tiny else (4 << 30))["write_bytes_per_second"]
     progress.say(f"disk: {fmt_bytes(disk)}/s write + fsync")
     machine = describe_machine(args.scratch)
-    v = versions()
     report: dict[str, Any] = {
-        "when": time.strftime("%Y-%m-%d %H:%MZ", time.gmtime()),
-        "machine": machine,
-        "versions": v,
-        "versions_line": ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        "command": "python -m benchmarks.full_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_head("python -m benchmarks.full_gpu", sys.argv[1:] if argv is None else argv, machine),
         "gpu_free_gb": args.gpu_free_gb,
         "disk_bytes_per_second": disk,
         "sizes": [],
@@ -294,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         width, layers = (int(x) for x in size.split("x"))
         report["sizes"].append(run_size(args, width, layers, progress))
-        write_json(args.out / f"{name}.json", report)  # after every size: a time limit keeps what ran
-        (args.out / f"{name}.md").write_text(markdown(report))
+        write_report(args.out, name, report, markdown(report))  # after every size: a time limit keeps what ran
     progress.close_bar()
     print(markdown(report))
     try:

@@ -29,7 +29,17 @@ from typing import Any
 
 import torch
 
-from .common import Progress, Workload, WorkloadConfig, describe_machine, result_name, versions, write_json
+from .common import (
+    Progress,
+    Workload,
+    WorkloadConfig,
+    describe_machine,
+    result_name,
+    utc_stamp,
+    versions,
+    write_json,
+    write_report,
+)
 
 
 class GilCounter:
@@ -307,14 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     progress = Progress()
     machine = describe_machine()
-    out: dict[str, Any] = {"benchmark": "host_blocking", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    out: dict[str, Any] = {"benchmark": "host_blocking", "date": utc_stamp(),
                            "machine": machine, "versions": versions(), "args": vars(args)}  # fmt: skip
     name = result_name("host-blocking", machine)
     args.out.mkdir(parents=True, exist_ok=True)
     out["probes"] = blocking_probes(args.sleep_ms, progress)
     write_json(args.out / f"{name}.json", out)  # kept if a later part runs out of time
     out["interference"] = interference(args.steps, args.width, args.layers, progress)
-    write_json(args.out / f"{name}.json", out)
     lines = [f"# Host blocking and interference — {out['date']}", "",
              f"sleep kernel queued first: {args.sleep_ms} ms", "",
              "| call | sleep queued on | host ms | GIL ticks/ms |", "|---|---|---|---|"]  # fmt: skip
@@ -325,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in out["interference"]:
         lines.append(f"| {r['background']} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
                      f"{r['max_ms']:.2f} |")  # fmt: skip
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, name, out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -85,7 +85,7 @@ say "4/4 cost model"
 inputs=()
 [ -f "$OUT/stall_time.json" ] && inputs+=(--stall-results "$OUT/stall_time.json")
 [ -f "$OUT/compression.json" ] && inputs+=(--compression-results "$OUT/compression.json")
-timeout -k 5 20 python3 -m benchmarks.cost_model "${inputs[@]}" --out "$OUT" --name cost_model >>"$log" 2>&1
+timeout -k 5 20 python3 docs/tools/cost_model.py "${inputs[@]}" --out "$OUT" --name cost_model >>"$log" 2>&1
 status=$?
 rm -f "$OUT/cost_model.json"  # the 8-file limit: the JSON is rebuilt here from the committed results
 say "cost model exit status $status"

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import faulthandler
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -47,8 +46,11 @@ from .common import (
     Progress,
     Workload,
     WorkloadConfig,
+    command_line,
     describe_machine,
     fmt_bytes,
+    fmt_rate,
+    fmt_ratio,
     fmt_seconds,
     machine_label,
     median,
@@ -57,12 +59,12 @@ from .common import (
     release_memory,
     remove,
     result_name,
+    sized_workload,
     sync_training_stream,
     tensor_bytes,
     utc_stamp,
     versions,
-    write_atomically,
-    write_json,
+    write_report,
 )
 from .methods import (
     BASELINE,
@@ -77,6 +79,15 @@ from .methods import (
 FORMAT_VERSION = 1
 OUTPUT_RESERVE_SECONDS = 15.0
 """Kept back from ``--time-limit`` for closing methods and writing the outputs."""
+SIZES = {
+    "tiny": {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "baseline_steps": 3,
+             "rounds": 1, "budget": 60.0, "probe_bytes": 8 << 20},
+    "gpu": {"width": 2048, "layers": 20, "context": 128, "batch": 16, "train_steps": 200, "baseline_steps": 20,
+            "rounds": 5, "budget": 400.0, "probe_bytes": 2 << 30},
+    "cpu": {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200, "baseline_steps": 10,
+            "rounds": 5, "budget": 120.0, "probe_bytes": 256 << 20},
+}  # fmt: skip
+"""The size and time defaults for ``--tiny``, a GPU and a CPU (what the command line leaves unset)."""
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -112,22 +123,6 @@ def build_parser(prog: str = "python -m benchmarks.stall_time") -> argparse.Argu
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib needed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
-
-
-def _defaults(args: argparse.Namespace, cuda: bool) -> None:
-    """Fill the size and time defaults for this machine (and for ``--tiny``)."""
-    if args.tiny:
-        sizes = {"width": 64, "layers": 1, "context": 32, "batch": 2, "train_steps": 5, "baseline_steps": 3,
-                 "rounds": 1, "budget": 60.0, "probe_bytes": 8 << 20}  # fmt: skip
-    elif cuda:
-        sizes = {"width": 2048, "layers": 20, "context": 128, "batch": 16, "train_steps": 200, "baseline_steps": 20,
-                 "rounds": 5, "budget": 400.0, "probe_bytes": 2 << 30}  # fmt: skip
-    else:
-        sizes = {"width": 512, "layers": 4, "context": 64, "batch": 4, "train_steps": 200, "baseline_steps": 10,
-                 "rounds": 5, "budget": 120.0, "probe_bytes": 256 << 20}  # fmt: skip
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -399,12 +394,12 @@ def markdown(report: dict[str, Any]) -> str:
         + (f" Load average (1/5/15 min) at start {_load(m.get('load_average_at_start'))}, at end "
            f"{_load(report.get('load_average_at_end'))}." if m.get("load_average_at_start") else ""),
         "",
-        f"Limits measured in this run: storage write+fsync {_rate(storage.get('write_bytes_per_second'))}, "
-        f"cold-ish read {_rate(storage.get('read_bytes_per_second'))}, host memcpy "
-        f"{_rate(copies.get('host_copy_bytes_per_second'))}"
-        + (f", D2D {_rate(copies.get('d2d_bytes_per_second'))}, D2H pinned "
-           f"{_rate(copies.get('d2h_pinned_bytes_per_second'))}, D2H pageable "
-           f"{_rate(copies.get('d2h_pageable_bytes_per_second'))}" if "d2d_bytes_per_second" in copies else "")
+        f"Limits measured in this run: storage write+fsync {fmt_rate(storage.get('write_bytes_per_second'))}, "
+        f"cold-ish read {fmt_rate(storage.get('read_bytes_per_second'))}, host memcpy "
+        f"{fmt_rate(copies.get('host_copy_bytes_per_second'))}"
+        + (f", D2D {fmt_rate(copies.get('d2d_bytes_per_second'))}, D2H pinned "
+           f"{fmt_rate(copies.get('d2h_pinned_bytes_per_second'))}, D2H pageable "
+           f"{fmt_rate(copies.get('d2h_pageable_bytes_per_second'))}" if "d2d_bytes_per_second" in copies else "")
         + f". Baseline training step: {fmt_seconds(_baseline(report).get('step_seconds_median'))}"
         + f" (per round, for drift: {_per_round(report)}).",
         "",
@@ -429,9 +424,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {fmt_seconds(s['blocked_seconds_median'])} ({fmt_seconds(s['blocked_seconds_p95'])}) "
             f"| {fmt_seconds(s['blocked_seconds_first'])} | {_signed(s.get('next_step_extra_seconds'))} "
-            f"| {fmt_seconds(s['durable_seconds_median'])} | {_x(s.get('durable_vs_disk'))} "
-            f"| {(_x(ratio) + ' baseline') if ratio else '-'} "
-            f"| {fmt_bytes(s['stored_bytes'])} ({_x(s.get('ratio'), 3)}) "
+            f"| {fmt_seconds(s['durable_seconds_median'])} | {fmt_ratio(s.get('durable_vs_disk'), 2)} "
+            f"| {(fmt_ratio(ratio, 2) + ' baseline') if ratio else '-'} "
+            f"| {fmt_bytes(s['stored_bytes'])} ({fmt_ratio(s.get('ratio'))}) "
             f"| {fmt_bytes(s['peak_extra_gpu_bytes']) if m.get('gpu') else '-'} / "
             f"{fmt_bytes(s['peak_extra_host_bytes'])} "
             f"| {s['samples']}{' (error)' if entry['error'] else ''} |"
@@ -459,14 +454,6 @@ def _baseline(report: dict[str, Any]) -> dict[str, Any]:
     return next((e.get("summary") or {} for e in report["methods"] if e["kind"] == "baseline"), {})
 
 
-def _rate(value: float | None) -> str:
-    return f"{value / 1e9:.3g} GB/s" if value else "-"
-
-
-def _x(value: float | None, digits: int = 2) -> str:
-    return f"{value:.{digits}f}x" if value else "-"
-
-
 def _signed(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -481,14 +468,11 @@ def _codecs(codecs: dict[str, int]) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.stall_time") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
-    args.command = f"{prog} {shlex.join(argv)}".strip()
+    args.command = command_line(prog, argv)
     started = time.perf_counter()
     progress = BarProgress(args.quiet)
-    config = WorkloadConfig(width=0, layers=0, device=args.device)
+    config = sized_workload(args, SIZES)
     cuda = config.resolved_device().type == "cuda"
-    _defaults(args, cuda)
-    config = WorkloadConfig(width=args.width, layers=args.layers, heads=args.heads, context=args.context,
-                            batch=args.batch, device=args.device)  # fmt: skip
     _method_names(args.methods, cuda)  # fail on a misspelt method now, not after training
     own_scratch = args.dir is None
     scratch = Path(tempfile.mkdtemp(prefix="asyncckpt-bench-")) if own_scratch else args.dir
@@ -531,9 +515,9 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
     progress.say(f"probing storage ({fmt_bytes(args.probe_bytes)}) and copy bandwidth")
     runner.limits["storage"] = probes.storage_bandwidth(scratch, args.probe_bytes)
     runner.limits["copies"] = probes.copy_bandwidth(workload.device, max(1 << 20, args.probe_bytes // 4))
-    progress.say(f"storage write {_rate(runner.limits['storage']['write_bytes_per_second'])}, read "
-                 f"{_rate(runner.limits['storage']['read_bytes_per_second'])}; copies "
-                 + ", ".join(f"{k.replace('_bytes_per_second', '')} {_rate(v)}"
+    progress.say(f"storage write {fmt_rate(runner.limits['storage']['write_bytes_per_second'])}, read "
+                 f"{fmt_rate(runner.limits['storage']['read_bytes_per_second'])}; copies "
+                 + ", ".join(f"{k.replace('_bytes_per_second', '')} {fmt_rate(v)}"
                              for k, v in runner.limits["copies"].items() if k.endswith("_per_second")))  # fmt: skip
     release_memory(workload.device)
     budget = args.budget
@@ -560,8 +544,7 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
 
     def save_partial() -> None:
         data = report()
-        write_json(args.out / f"{name}.json", data)
-        write_atomically(args.out / f"{name}.md", markdown(data))
+        write_report(args.out, name, data, markdown(data))
 
     def measured() -> None:
         if isinstance(progress, BarProgress):
@@ -575,9 +558,8 @@ def _run(args: argparse.Namespace, config: WorkloadConfig, scratch: Path, machin
         if isinstance(progress, BarProgress):
             progress.close_bar()
         data = report()
-        write_json(args.out / f"{name}.json", data)
         text = markdown(data)
-        write_atomically(args.out / f"{name}.md", text)
+        write_report(args.out, name, data, text)
         if not args.no_chart:
             try:
                 from .chart import stall_chart

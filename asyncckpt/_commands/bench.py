@@ -1,9 +1,11 @@
-"""``asyncckpt bench {stall,compression,cost} [ARGS...]``: run a benchmark from ``benchmarks/``.
+"""``asyncckpt bench {stall,compression,cost} [ARGS...]``: run a benchmark of a source checkout.
 
-The benchmarks live in the source checkout's ``benchmarks`` package, beside this package (they
-are not part of the wheel: they pull in matplotlib and train models). This command finds them
-there and hands them the remaining arguments, so ``asyncckpt bench stall --tiny`` is
-``python -m benchmarks.stall_time --tiny``.
+The benchmarks are not part of the wheel (they pull in matplotlib and train models): they live
+in a source checkout of asyncckpt, ``benchmarks/`` and ``docs/tools/cost_model.py``. This
+command works only where this package *is* that checkout (``pip install -e .``, or
+``python -m asyncckpt`` in its root); an installed wheel says so and runs nothing. It hands the
+remaining arguments to the benchmark, so ``asyncckpt bench stall --tiny`` is
+``python -m benchmarks.stall_time --tiny`` in the checkout.
 """
 
 from __future__ import annotations
@@ -17,40 +19,47 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-BENCHMARKS = {"stall": "stall_time", "compression": "compression", "cost": "cost_model"}
+BENCHMARKS = {"stall": "benchmarks/stall_time.py", "compression": "benchmarks/compression.py",
+              "cost": "docs/tools/cost_model.py"}  # fmt: skip
 
 
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "bench",
-        help="measure checkpoint stall, compression or monthly cost on this machine (from a source checkout)",
-        description="Run a benchmark: stall (asyncckpt vs torch.save vs DCP), compression (per tensor class), "
-        "cost (GPU-hours and money per month). Arguments after the name go to the benchmark; "
-        "add --help after the name for its options.",
+        help="measure checkpoint stall, compression or monthly cost on this machine (needs a source checkout)",
+        description="Run a benchmark of the source checkout this package was installed from (pip install -e): "
+        "stall (asyncckpt vs torch.save vs DCP), compression (per tensor class), cost (GPU-hours and money per "
+        "month). Arguments after the name go to the benchmark; add --help after the name for its options.",
     )
     parser.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     parser.set_defaults(func=run)
 
 
-def _checkout_root(module: str) -> Path:
+def _checkout_root(script: str) -> Path:
+    """The source checkout this package runs from; an error that says so where it is an installed wheel."""
     root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / f"{module}.py").is_file():
+    # pyproject.toml beside the package: a site-packages folder that happens to hold a "benchmarks" is no checkout.
+    if not (root / "pyproject.toml").is_file() or not (root / script).is_file():
         raise CheckpointError(
-            "the benchmarks are not installed with the package; run this from a source checkout of asyncckpt "
-            "(git clone, then `pip install -e .` or `python -m asyncckpt bench ...` in its root)"
+            f"asyncckpt bench runs the benchmarks of a source checkout, and this asyncckpt ({root / 'asyncckpt'}) "
+            f"is not in one that has {script} (a wheel does not ship them). Clone the repository, then run "
+            "`pip install -e .` and `asyncckpt bench ...`, or `python -m asyncckpt bench ...` in its root"
         )
     return root
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark in a child interpreter that finds the checkout's ``benchmarks`` package.
+    """Run the benchmark in a child interpreter, with the checkout first on its ``PYTHONPATH``.
 
     A child, not an import: this process's ``sys.path`` stays what the installed package was given,
     and the benchmark's exit status, output and progress bar are its own.
     """
-    module = BENCHMARKS[args.benchmark]
-    root = _checkout_root(module)
+    script = BENCHMARKS[args.benchmark]
+    root = _checkout_root(script)
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", f"benchmarks.{module}", *args.args]
+    if script.startswith("benchmarks/"):
+        command = [sys.executable, "-m", script.removesuffix(".py").replace("/", "."), *args.args]
+    else:
+        command = [sys.executable, str(root / script), *args.args]
     return subprocess.call(command, env={**os.environ, "PYTHONPATH": path})

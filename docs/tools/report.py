@@ -1,13 +1,14 @@
 """Keep ``benchmarks/results/`` and ``docs/benchmarks.md`` in step with the measurements.
 
-    python -m benchmarks.report --import DIR    # copy a run_h200.sh $OUT into benchmarks/results/ (dated names)
-    python -m benchmarks.report                 # rewrite the generated blocks of docs/benchmarks.md
-    python -m benchmarks.report --readme        # print the headline table and chart for the README
+    python docs/tools/report.py --import DIR    # copy a run_h200.sh $OUT into benchmarks/results/ (dated names)
+    python docs/tools/report.py                 # rewrite the generated blocks of docs/benchmarks.md
+    python docs/tools/report.py --readme        # print the headline table and chart for the README
 
 The document's prose is written by hand; only the blocks between ``<!-- BEGIN name -->`` and
 ``<!-- END name -->`` are generated, from the newest committed results: the headline table for
 the README, the stall-time tables and charts (GPU and CPU), the compression tables, and the cost
-model (run now on the newest results, GPU ones preferred).
+model (run now on the newest results, GPU ones preferred). Like ``cost_model.py`` beside it, a
+script of the source checkout that puts the checkout's root first on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from . import cost_model
-from .common import REPO_ROOT, RESULTS_DIR, fmt_bytes, fmt_seconds, machine_label, write_atomically
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import cost_model  # noqa: E402 - the script beside this one (its folder is on sys.path)
+from cost_model import RESULTS_DIR, latest_result  # noqa: E402
+
+from benchmarks.common import fmt_bytes, fmt_seconds, machine_label, write_atomically  # noqa: E402
 
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 RUN_FILES = ("stall_time.json", "stall_time.md", "stall_time.png", "compression.json", "compression.md")
@@ -58,11 +65,6 @@ def _stem(report: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ blocks
-def _latest(prefix: str, gpu: bool) -> Path | None:
-    found = sorted(p for p in RESULTS_DIR.glob(f"{prefix}-*.json") if ("-cpu" in p.stem) != gpu)
-    return found[-1] if found else None
-
-
 def _relative(path: Path) -> str:
     return "../" + str(path.relative_to(REPO_ROOT))
 
@@ -120,21 +122,21 @@ def cost_block() -> str:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            cost_model.main([], prog="python -m benchmarks.cost_model")
+            cost_model.main([])
     except SystemExit as exc:
         return f"_Not computed: {exc}_"
-    return out.getvalue().strip() + "\n\nCommand: `python -m benchmarks.cost_model` (every input is a flag: `--help`)."
+    return out.getvalue().strip() + f"\n\nCommand: `{cost_model.PROG}` (every input is a flag: `--help`)."
 
 
 def blocks() -> dict[str, str]:
-    stall_gpu, stall_cpu = _latest("stall_time", gpu=True), _latest("stall_time", gpu=False)
+    stall_gpu, stall_cpu = latest_result("stall_time", gpu=True), latest_result("stall_time", gpu=False)
     best = stall_gpu or stall_cpu
     return {
         "headline": headline(best) if best else "_No results committed yet._",
         "stall-gpu": result_block(stall_gpu, "GPU stall-time"),
         "stall-cpu": result_block(stall_cpu, "CPU stall-time"),
-        "compression-gpu": result_block(_latest("compression", gpu=True), "GPU compression"),
-        "compression-cpu": result_block(_latest("compression", gpu=False), "CPU compression"),
+        "compression-gpu": result_block(latest_result("compression", gpu=True), "GPU compression"),
+        "compression-cpu": result_block(latest_result("compression", gpu=False), "CPU compression"),
         "cost": cost_block(),
     }
 
@@ -157,7 +159,7 @@ def refresh(doc: Path = DOC) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python docs/tools/report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--import", dest="import_dir", type=Path, default=None,
                         help="a run_h200.sh output directory to copy into benchmarks/results/ first")  # fmt: skip
     parser.add_argument("--doc", type=Path, default=DOC)
@@ -165,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only print the headline block, paths relative to the repository root")  # fmt: skip
     args = parser.parse_args(argv)
     if args.readme:
-        best = _latest("stall_time", gpu=True) or _latest("stall_time", gpu=False)
+        best = latest_result("stall_time")
         print(headline(best).replace("](../", "](") if best else "No results committed yet.")
         return 0
     if args.import_dir is not None:

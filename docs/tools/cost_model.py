@@ -20,23 +20,31 @@ latest committed results in ``benchmarks/results/`` (GPU results preferred); eve
 Linear scaling of staging time with shard size assumes a bandwidth-bound copy, which is what
 the measured snapshots are (D2D, D2H, or a fence over compression reads).
 
-    python -m benchmarks.cost_model
-    python -m benchmarks.cost_model --gpu-hour-price 4 --storage-gbps 2,20 --gpus 256
+    python docs/tools/cost_model.py            # or: asyncckpt bench cost
+    python docs/tools/cost_model.py --gpu-hour-price 4 --storage-gbps 2,20 --gpus 256
+
+A script of the source checkout, not a module of the wheel: it puts the checkout's root first on
+``sys.path`` so that it imports the checkout's ``asyncckpt`` and ``benchmarks`` packages.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import RESULTS_DIR, latest_result, utc_stamp, write_atomically, write_json
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.common import command_line, utc_stamp, write_report  # noqa: E402
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PROG = "python docs/tools/cost_model.py"
 GB = 1e9
 SYNC, DCP_ASYNC, OURS = "synchronous", "DCP async", "asyncckpt"
 ASYNCCKPT_PREFERENCE = ("asyncckpt:fence:auto", "asyncckpt:device:auto", "asyncckpt:host:auto")
@@ -128,6 +136,15 @@ def monthly(s: Scenario, i: Inputs, saves_per_month: float, price: float) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ inputs
+def latest_result(prefix: str, gpu: bool | None = None, directory: Path = RESULTS_DIR) -> Path | None:
+    """The newest committed ``<prefix>-*.json`` (names start with the UTC date): of a GPU run (``gpu=True``),
+    of a CPU run (``False``), or of either, GPU runs first (``None``)."""
+    if gpu is None:
+        return latest_result(prefix, True, directory) or latest_result(prefix, False, directory)
+    found = sorted(p for p in directory.glob(f"{prefix}-*.json") if ("-cpu" in p.stem) != gpu)
+    return found[-1] if found else None
+
+
 def measured_defaults(stall_path: Path | None, compression_path: Path | None) -> dict[str, Any]:
     """Inputs read from results files; missing ones are absent from the dict."""
     found: dict[str, Any] = {}
@@ -184,7 +201,7 @@ def measured_defaults(stall_path: Path | None, compression_path: Path | None) ->
     return found
 
 
-def build_parser(prog: str = "python -m benchmarks.cost_model") -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--stall-results", type=Path, default=None, help="stall_time JSON (default: latest committed)")
     p.add_argument("--compression-results", type=Path, default=None, help="compression JSON (default: latest)")
@@ -326,19 +343,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.cost_model") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     inputs, warnings = resolve_inputs(args)
     saves = args.saves_per_day * args.days_per_month
     rows = [monthly(s, inputs, saves, args.gpu_hour_price) for s in scenarios(args)]
-    report = {"benchmark": "cost_model", "created_utc": utc_stamp(), "command": f"{prog} {shlex.join(argv)}".strip(),
+    report = {"benchmark": "cost_model", "created_utc": utc_stamp(), "command": command_line(prog, argv),
               "saves_per_month": saves, "gpu_hour_price": args.gpu_hour_price, "currency": args.currency,
               "inputs": asdict(inputs), "warnings": warnings, "rows": rows}  # fmt: skip
     text = markdown(report)
     if args.out is not None:
-        write_json(args.out / f"{args.name}.json", report)
-        write_atomically(args.out / f"{args.name}.md", text)
+        write_report(args.out, args.name, report, text)
     print(text)
     return 0
 
