@@ -56,7 +56,7 @@ class CodecChooser:
         """At most one spec, using up none of a remembered choice's uses: the remembered spec, else
         ``auto``'s first guess. For retries after GPU memory ran short, where a probe (every
         candidate's output at once) is what does not fit."""
-        if self.codec in ("auto",):
+        if self.codec == "auto":
             with self._lock:
                 choice = self._memory.get((key, dtype))
             return (choice.spec,) if choice is not None else auto_candidates(dtype)[:1]

@@ -198,8 +198,8 @@ def into_allocated_arena(
     group = copy_group_bytes_for(left - window)
     compress = group >= MIN_GROUP_BYTES
     limit = NO_LIMIT if compress and largest_tensor_bytes <= group else (group if compress else 0)
-    why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
-    why += f": into the arena earlier saves allocated, with {left} bytes of the budget left beside it"
+    why = "snapshot='device' was asked for: copied" if requested == "device" else "copied"
+    why += f" into the arena earlier saves allocated, with {left} bytes of the budget left beside it"
     if limit == 0:
         why += " (no room to compress: stored uncompressed)"
     elif limit != NO_LIMIT:

@@ -735,12 +735,12 @@ def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int
     return index, EncodedBlob(data=data, codec="none", chunks=[(n, n)])
 
 
-def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:
-    return sum(staged.data.numel() for _index, staged in group)
-
-
 def _tensor_sizes(group: list[tuple[int, StagedTensor]]) -> list[int]:
     return [staged.data.numel() for _index, staged in group]
+
+
+def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:
+    return sum(_tensor_sizes(group))
 
 
 def _raw_bytes(encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]]) -> int:
