@@ -289,5 +289,8 @@ def test_delta_tiny(tmp_path: Path) -> None:
     assert on[0]["stored_bytes"] >= 0.9 * off[0]["stored_bytes"]  # the first save of a chain is full
     assert on[-1]["stored_bytes"] < off[-1]["stored_bytes"]
     assert chain["restores"]["on"]["bit_exact"] and chain["restores"]["off"]["bit_exact"]
+    # A full restore reads its own blobs; the deepest delta's reads its bases' too, never more than the chain.
+    assert chain["restores"]["off"]["read_bytes"] == off[-1]["stored_bytes"]
+    assert on[-1]["stored_bytes"] < chain["restores"]["on"]["read_bytes"] <= sum(s["stored_bytes"] for s in on)
     assert "Restore of the deepest checkpoint" in proc.stdout
     assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"
