@@ -42,8 +42,8 @@ class CheckpointOptions:
     ``LOCAL_WORLD_SIZE``."""
     gpu_staging_budget_bytes: int | None = None
     """GPU memory a save may use beyond the live state (arena, compressor scratch, compressed bytes
-    kept on the GPU), in every mode; None means a quarter of the free GPU memory, re-read at every
-    save (:mod:`asyncckpt._gpu.budget`)."""
+    kept on the GPU), in every mode; None means the staging arena earlier saves allocated plus a
+    quarter of the free GPU memory, re-read at every save (:mod:`asyncckpt._gpu.budget`)."""
     io_threads: int = 0
     """Parallel writer threads (KvikIO); 0 picks a default."""
     metrics_port: int | None = None

@@ -18,7 +18,9 @@ import asyncckpt
 from asyncckpt._gpu.budget import (
     MAX_GROUP_BYTES,
     MIN_GROUP_BYTES,
+    NO_LIMIT,
     SCRATCH_PER_RAW_BYTE,
+    default_gpu_budget,
     fenced_instead,
     halve,
     plan_groups,
@@ -118,6 +120,20 @@ def test_auto_prefers_a_device_copy_then_a_fence() -> None:
     assert two.resident_bytes * 2 <= one.resident_bytes + 1  # saves in flight share the resident allowance
     with_arena = plan_staging("fence", 34 * GiB, 30 * GiB, 8 * GiB, 1, 256 * MiB, WINDOW)
     assert with_arena.resident_bytes == one.resident_bytes - 8 * GiB  # the arena stays allocated
+
+
+def test_the_default_budget_leaves_scratch_beside_an_allocated_arena() -> None:
+    # The delta benchmark on an H100 (2026-12-06): a 12.3 GB arena allocated at the first save,
+    # then a second checkpointer's arena and reference copy left ~15 GB free. A quarter of free
+    # memory plus the arena left nothing beside the arena, and two saves were stored at 1.000x.
+    arena, free, state = 12300 * MiB, 15 * GiB, 12300 * MiB
+    budget = default_gpu_budget(free, arena)
+    assert budget == arena + free // 4
+    plan = plan_staging("auto", state, budget, arena, 1, 256 * MiB, WINDOW)
+    assert plan.mode == "device" and plan.max_compress_bytes == NO_LIMIT
+    assert memory_held(plan, state, arena, 1, 256 * MiB) <= free // 4  # scratch and window: a quarter of free
+    # Before any arena, the default is a quarter of what is free, as it always was.
+    assert default_gpu_budget(free) == free // 4 and default_gpu_budget(-1) == 0
 
 
 def test_groups_keep_order_and_respect_the_group_size() -> None:

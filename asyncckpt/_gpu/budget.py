@@ -117,8 +117,15 @@ def scratch_of(plan: StagingPlan) -> int:
     return scratch_for(plan.group_bytes, GROUPS_IN_FLIGHT if plan.mode == "fence" else 1)
 
 
-def default_gpu_budget(free_bytes: int) -> int:
-    return free_bytes // FREE_FRACTION
+def default_gpu_budget(available_bytes: int, arena_bytes: int = 0) -> int:
+    """The budget when the user set none: the staging arena already allocated, plus a quarter of
+    the memory a save could still take (``available_bytes``: free now, plus this checkpointer's
+    cached compressor scratch).
+
+    The arena stays allocated in every mode, so it is not taken from training again; counting it
+    inside the quarter instead left no scratch at all beside an arena allocated while more memory
+    was free, and such saves were stored uncompressed."""
+    return arena_bytes + max(0, available_bytes) // FREE_FRACTION
 
 
 def plan_staging(

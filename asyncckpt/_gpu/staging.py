@@ -308,9 +308,8 @@ class GpuStager:
         budget = self.gpu_budget_bytes
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
-            # Our own arena and the compressor's cached scratch are reused by the next save, so
-            # they count as available to it.
-            budget = default_gpu_budget(free + self.arena.allocated_bytes + self._granted_bytes)
+            # The compressor's cached scratch is reused by the next save, so it counts as available.
+            budget = default_gpu_budget(free + self._granted_bytes, self.arena.allocated_bytes)
         plan = plan_staging(
             self.mode,
             device_bytes,
