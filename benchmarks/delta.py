@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 import asyncckpt
+from asyncckpt._delta_chain import ChainReader
 from asyncckpt._delta_ops import DELTA_OPS, encode_delta
 from asyncckpt._layout import checkpoint_name
-from asyncckpt._manifest import Manifest, read_manifest
+from asyncckpt._manifest import read_manifest
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
 from .common import (
@@ -192,23 +193,18 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
 
 def restore_read_bytes(directory: Path, step: int) -> int:
     """Stored bytes a restore of ``step`` reads: each record's blob, and for a delta record its base's
-    record of the same file and key, down the chain. Divided by the disk's read bandwidth, this is
-    the restore's floor on a cold page cache, whatever the decoder does."""
-    manifests: dict[int, Manifest] = {}
-
-    def manifest(s: int) -> Manifest:
-        if s not in manifests:
-            manifests[s] = read_manifest(directory / checkpoint_name(s))
-        return manifests[s]
-
+    record of the same file and key, down the chain (followed, and checked, as a load follows it).
+    Divided by the disk's read bandwidth, this is the restore's floor on a cold page cache."""
+    path = directory / checkpoint_name(step)
     total = 0
-    for record in manifest(step).tensors:
-        m, rec = manifest(step), record
-        total += rec.stored_bytes
-        while rec.delta is not None and m.reference is not None:
-            m = manifest(m.reference.step)
-            rec = next(r for r in m.tensors if (r.file, r.key) == (rec.file, rec.key))
+    with ChainReader(path, read_manifest(path)) as checkpoint:
+        for record in checkpoint.manifest.tensors:
+            level, rec = checkpoint, record
             total += rec.stored_bytes
+            while rec.delta is not None:
+                rec = level.base_record(rec)
+                level = level.base()
+                total += rec.stored_bytes
     return total
 
 

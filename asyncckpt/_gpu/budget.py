@@ -46,7 +46,7 @@ MIN_GROUP_BYTES = 16 << 20
 MAX_GROUP_BYTES = 1 << 30
 NO_LIMIT = 1 << 62
 FREE_FRACTION = 4
-"""The default GPU budget is free memory divided by this, re-read at every save."""
+"""The default GPU budget is the arena already held plus free memory divided by this, re-read at every save."""
 
 
 @dataclass(frozen=True)
