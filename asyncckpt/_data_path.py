@@ -42,3 +42,5 @@ class Backend:
     def close(self) -> None:
         self.stager.close()
         self.encoder.close()
+        if self.delta is not None:
+            self.delta.close()  # after the encoder: no save reads the references any more

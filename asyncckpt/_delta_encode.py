@@ -73,6 +73,10 @@ class DeltaWriter:
         """The next save is full (a save failed, or checkpoints were discarded). Any thread."""
         self.store.invalidate()
 
+    def close(self) -> None:
+        """Free the reference store's memory. Once no save runs any more."""
+        self.store.close()
+
 
 class DeltaSave:
     """The delta decisions of one save. Worker thread."""

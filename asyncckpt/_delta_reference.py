@@ -72,6 +72,10 @@ class ReferenceStore(Protocol):
         """Forget everything: the next save is full. Any thread."""
         ...
 
+    def close(self) -> None:
+        """Free every byte the store holds (the checkpointer is closing; no save runs)."""
+        ...
+
 
 class HostReferenceStore:
     """A :class:`ReferenceStore` in host memory, at most ``budget_bytes`` of it. Worker thread."""
@@ -85,7 +89,7 @@ class HostReferenceStore:
         self._base: Base | None = None
         self._valid_for: int | None = None
         """The step begun last, while no failure or invalidation happened since."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a subclass's _drop and _clear take it, called with it held
 
     @property
     def held_bytes(self) -> int:
@@ -142,6 +146,9 @@ class HostReferenceStore:
     def invalidate(self) -> None:
         with self._lock:
             self._clear()
+
+    def close(self) -> None:
+        self.invalidate()
 
     def _drop(self, key: str) -> None:
         gone = self._bytes.pop(key, None)

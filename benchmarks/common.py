@@ -149,17 +149,19 @@ class Workload:
         return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grads": grads}
 
 
-def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds: float) -> tuple[Any, dict[str, Any]]:
-    """Call ``save()`` on the training thread, then train until the handle it returned is ``done()``.
+def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds: float,
+                       settled: Callable[[], bool] | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """Call ``save()`` on the training thread, then train until the handle it returned is ``done()``
+    (and ``settled()``, when given: background work the save started after it was durable).
 
     Returns the handle and what the save cost training: the call's seconds, and the time lost, which
-    is the call plus every step's excess over ``baseline_seconds`` until the handle was done.
+    is the call plus every step's excess over ``baseline_seconds`` until then.
     """
     began = time.perf_counter()
     handle = save()
     call = time.perf_counter() - began
     steps = []
-    while not handle.done():
+    while not handle.done() or (settled is not None and not settled()):
         steps.append(work.step())
     lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
     return handle, {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}

@@ -45,7 +45,8 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
         fence_allowed=options.codec != "none",
     )
     encoder.delta = build_delta_writer(
-        options, lambda host_budget: DeviceReferenceStore(device, host_budget, options.gpu_staging_budget_bytes)
+        options,
+        lambda host_budget: DeviceReferenceStore(device, host_budget, options.gpu_staging_budget_bytes, encoder.stream),
     )
     if encoder.delta is not None:
         stager.forms_per_tensor = DELTA_SCRATCH_FACTOR

@@ -1,46 +1,99 @@
 """The reference store of incremental checkpoints on the GPU path: the previous save's bytes kept
-in GPU memory while a budget allows, else in pinned host memory.
+in GPU memory while a budget allows, else in pinned host memory, in memory allocated *between*
+saves.
 
 Same life cycle and protocol as :class:`~asyncckpt._delta_reference.HostReferenceStore` (begin,
-reference, record, commit, invalidate); only where a key's bytes live differs:
+reference, record, commit, invalidate); what differs is where a key's bytes live and when that
+memory is allocated.
+
+Where:
 
 * in GPU memory, up to ``device_budget_bytes`` (default: a quarter of the GPU memory free when
-  the first reference is kept). A delta then costs one elementwise kernel and the update one
-  device-to-device copy (~2 TB/s on an H200);
-* past that, in pinned host memory, up to ``host_budget_bytes``: the compressor uploads the
-  reference to compute the delta and copies the new bytes back, both on its stream (~50 GB/s
+  the first reference memory is allocated). A delta then costs one elementwise kernel and the
+  update one device-to-device copy (~2 TB/s on an H200);
+* past that, in pinned host memory (:func:`~asyncckpt._gpu.pinned_pool.allocate_block`: exact
+  sizes, not torch's power-of-two blocks), up to ``host_budget_bytes``: the compressor uploads
+  the reference to compute the delta and copies the new bytes back, both on its stream (~50 GB/s
   each way over PCIe);
 * past both, not kept: that key is stored in full at every save.
 
-Streams: :meth:`record` enqueues its copy on the calling thread's current stream (the
-compressor's), after the kernels that read the old bytes, and never waits for it; the compressor
-synchronises its stream before a save can commit. Allocation runs on the compressor thread; a
-GPU out-of-memory error while allocating makes that key "not kept", never a failed save.
+When: a key is kept only in memory that already exists. :meth:`record` never allocates: a key
+with no memory (every key of a checkpointer's first save) is stored without a reference, and its
+size is noted. Once that save has committed, a background thread (``asyncckpt-reference-memory``)
+allocates what was noted, and frees what was given up (a key gone from the state, a size that
+changed, a delta ``auto`` gave up on); the next save copies into the new memory. So a
+checkpointer's first two saves are full and its third is the first delta. The reason: records
+run on the compressor stream while a ``fence`` save holds training, and pinning runs at a few
+GB/s under a driver lock. When the first save pinned its references as it went, it cost training
+4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06,
+``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``). A failed or invalidated save
+keeps the memory (as spare, for the same keys), so recovering from it pins nothing.
+
+Streams and threads: :meth:`record` and :meth:`reference` run on the compressor thread and
+enqueue their copies on its current stream, after the kernels that read the old bytes, never
+waiting for them (the compressor synchronises its stream before a save can commit). GPU
+memory is allocated for ``stream`` (the compressor's), so the caching allocator orders its reuse
+on that stream. The background thread touches only spare memory and the byte counters, under the
+store's lock; an out-of-memory error there leaves that key unkept, never a failed save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
 import torch
 
 from .._delta_reference import HostReferenceStore
+from .pinned_pool import PinnedBlock, allocate_block, free_block
 
 __all__ = ["DeviceReferenceStore"]
 
+log = logging.getLogger("asyncckpt")
+
+
+@dataclass(eq=False)
+class _Memory:
+    """One key's reference memory: ``data`` (1-D uint8), in a pinned host ``block`` or on the GPU (None)."""
+
+    data: torch.Tensor
+    block: PinnedBlock | None
+
 
 class DeviceReferenceStore(HostReferenceStore):
-    """A reference store for CUDA tensors: device memory first, then pinned host memory."""
+    """A reference store for CUDA tensors: device memory first, then pinned host memory, allocated
+    between saves (see the module docstring)."""
 
-    def __init__(self, device: torch.device, host_budget_bytes: int, device_budget_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, host_budget_bytes: int, device_budget_bytes: int | None = None,
+                 stream: torch.cuda.Stream | None = None, pin: bool | None = None) -> None:  # fmt: skip
+        """``stream``: the compressor's (GPU memory is allocated for it); ``pin``: register host memory
+        with CUDA (default: when ``device`` is a GPU; the CPU tests run the store on host memory)."""
         super().__init__(host_budget_bytes)
         self.device = device
         self.device_budget_bytes = device_budget_bytes
+        self.stream = stream
+        self.pin = device.type == "cuda" if pin is None else pin
         self.device_bytes = 0
-        """Bytes of references held in GPU memory (the rest of ``held_bytes`` is pinned host memory)."""
+        """GPU bytes allocated for references (holding one or spare)."""
+        self.host_bytes = 0
+        """Pinned host bytes allocated for references (holding one or spare)."""
+        self._memory: dict[str, _Memory] = {}
+        """The memory behind each kept reference (``_bytes[key]`` is its ``data``)."""
+        self._spare: dict[str, _Memory] = {}
+        """Memory allocated for a key that holds no reference yet."""
+        self._wanted: dict[str, int] = {}
+        """Keys recorded without memory, and the bytes each needs."""
+        self._retired: list[_Memory] = []
+        """Memory given up, freed by the next background pass (its last copy may still be queued)."""
+        self._preparing: threading.Thread | None = None
 
+    # ------------------------------------------------------------------ compressor thread
     def reference(self, key: str, raw_bytes: int) -> torch.Tensor | None:
         """``key``'s bytes on this device (uploaded on the current stream when kept on the host)."""
         found = super().reference(key, raw_bytes)
-        if found is None or found.is_cuda:
+        if found is None or found.device == self.device:
             return found
         return found.to(self.device, non_blocking=True)
 
@@ -51,38 +104,131 @@ class DeviceReferenceStore(HostReferenceStore):
             held.copy_(raw, non_blocking=True)
             return
         self._drop(key)
-        if not keep:
+        with self._lock:
+            spare = self._spare.pop(key, None)
+            if spare is not None and (not keep or spare.data.numel() != raw.numel()):
+                self._retired.append(spare)
+                spare = None
+            if keep and spare is None:
+                self._wanted[key] = raw.numel()  # allocated once this save has committed
+        if spare is None:
             return
-        copy = self._allocate(raw.numel())
-        if copy is None:
-            return  # fits nowhere: stored in full at every save
-        copy.copy_(raw, non_blocking=True)
-        self._bytes[key] = copy
+        spare.data.copy_(raw, non_blocking=True)
+        self._bytes[key] = spare.data
+        self._memory[key] = spare
         self._held += raw.numel()
-        if copy.is_cuda:
-            self.device_bytes += raw.numel()
 
-    def _allocate(self, nbytes: int) -> torch.Tensor | None:
-        if self.device_budget_bytes is None:
-            self.device_budget_bytes = torch.cuda.mem_get_info(self.device)[0] // 4
-        if self.device_bytes + nbytes <= self.device_budget_bytes:
+    # ------------------------------------------------------------------ worker thread
+    def commit(self, step: int, manifest_sha256: str, has_reference: bool) -> None:
+        super().commit(step, manifest_sha256, has_reference)
+        self._start_preparing()
+
+    def wait_prepared(self, timeout_seconds: float | None = None) -> bool:
+        """Wait for the background allocation started by the last commit; True once none runs."""
+        thread = self._preparing
+        if thread is not None:
+            thread.join(timeout_seconds)
+            return not thread.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Free every byte the store holds. Once no save runs (the checkpointer is closing)."""
+        self.wait_prepared()
+        with self._lock:
+            memories = [*self._memory.values(), *self._spare.values(), *self._retired]
+            self._memory.clear()
+            self._spare.clear()
+            self._retired.clear()
+            self._wanted.clear()
+            super()._clear()
+        for memory in memories:
+            self._free(memory)
+
+    # ------------------------------------------------------------------ background thread
+    def _start_preparing(self) -> None:
+        with self._lock:
+            wanted, self._wanted = self._wanted, {}
+            retired, self._retired = self._retired, []
+        if not wanted and not retired:
+            return
+        previous = self._preparing
+
+        def run() -> None:
+            if previous is not None:
+                previous.join()  # one pass at a time: the counters and budgets stay exact
+            for gone in retired:
+                self._free(gone)
+            for key, nbytes in wanted.items():
+                memory = self._allocate(nbytes)
+                if memory is None:
+                    log.debug("asyncckpt: no reference memory for %r (%d bytes): stored in full", key, nbytes)
+                    continue
+                with self._lock:
+                    stale = self._spare.pop(key, None)
+                    self._spare[key] = memory
+                if stale is not None:
+                    self._free(stale)
+
+        self._preparing = threading.Thread(target=run, name="asyncckpt-reference-memory", daemon=True)
+        self._preparing.start()
+
+    def _allocate(self, nbytes: int) -> _Memory | None:
+        """GPU memory within the device budget, else pinned host memory within the host budget."""
+        with self._lock:
+            if self.device_budget_bytes is None:
+                free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+                self.device_budget_bytes = free // 4
+            on_device = self.device_bytes + nbytes <= self.device_budget_bytes
+            if on_device:
+                self.device_bytes += nbytes  # counted before allocating, outside the lock
+        if on_device:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                with contextlib.ExitStack() as scope:
+                    if self.stream is not None:
+                        scope.enter_context(torch.cuda.stream(self.stream))
+                    return _Memory(torch.empty(nbytes, dtype=torch.uint8, device=self.device), None)
             except torch.OutOfMemoryError:
-                pass  # training holds the memory the budget counted on: try the host
-        if self._held - self.device_bytes + nbytes <= self.budget_bytes:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError:  # the host cannot pin that much now: not kept, never a failed save
+                with self._lock:
+                    self.device_bytes -= nbytes  # training holds the memory the budget counted on: try the host
+        with self._lock:
+            if self.host_bytes + nbytes > self.budget_bytes:
                 return None
-        return None
+            self.host_bytes += nbytes
+        try:
+            block = allocate_block(nbytes, self.device if self.device.type == "cuda" else None, self.pin)
+        except (MemoryError, OSError, RuntimeError) as exc:  # the host cannot pin that much now
+            with self._lock:
+                self.host_bytes -= nbytes
+            log.info("asyncckpt: no pinned memory for a %d-byte reference (%s): stored in full", nbytes, exc)
+            return None
+        return _Memory(block.data, block)
 
+    def _free(self, memory: _Memory) -> None:
+        nbytes = int(memory.data.numel())
+        if memory.block is not None:
+            free_block(memory.block)
+        with self._lock:
+            if memory.block is not None:
+                self.host_bytes -= nbytes
+            else:
+                self.device_bytes -= nbytes
+        memory.data = torch.empty(0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ any thread, store lock held
     def _drop(self, key: str) -> None:
-        gone = self._bytes.get(key)
-        if gone is not None and gone.is_cuda:
-            self.device_bytes -= gone.numel()
+        memory = self._memory.pop(key, None)
         super()._drop(key)
+        if memory is not None:
+            with self._lock:
+                self._retired.append(memory)
 
     def _clear(self) -> None:
-        super()._clear()
-        self.device_bytes = 0
+        """Forget every reference but keep its memory, as spare for the same key."""
+        with self._lock:
+            for key, memory in self._memory.items():
+                stale = self._spare.pop(key, None)
+                if stale is not None:
+                    self._retired.append(stale)
+                self._spare[key] = memory
+            self._memory.clear()
+            super()._clear()

@@ -141,7 +141,7 @@ class PinnedPool:
             freed_bytes = sum(b.nbytes for b in stale)
             self._allocated_bytes -= freed_bytes
         for block in stale:
-            _unpin(block)
+            free_block(block)
         return freed_bytes
 
     def reserve(self, sizes: Sequence[int]) -> threading.Thread:
@@ -171,7 +171,7 @@ class PinnedPool:
             freed_bytes = sum(b.nbytes for b in freed)
             self._allocated_bytes -= freed_bytes
         for block in freed:
-            _unpin(block)
+            free_block(block)
         return freed_bytes
 
     def close(self) -> None:
@@ -181,25 +181,37 @@ class PinnedPool:
         self.trim(0)
 
     def _allocate(self, size: int) -> PinnedBlock:
-        mapping = mmap.mmap(-1, size)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):  # THP disabled on this kernel: pinning is slower, nothing else changes
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-        data = torch.frombuffer(mapping, dtype=torch.uint8)
-        # Fault the pages in with torch's intra-op threads (many cores at once); registering
-        # pages that are already there is what the driver does fastest.
-        data.zero_()
-        if self.pin:
-            # On this pool's device (the calling thread's current device may be another GPU's, or
-            # unset: a context would be made on GPU 0); portable, so any context may copy into it.
-            with torch.cuda.device(self.device):
-                status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, HOST_REGISTER_PORTABLE)
-            if int(status) != 0:
-                raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(status)})")
-        return PinnedBlock(data=data, _mapping=mapping, pinned=self.pin, device=self.device)
+        return allocate_block(size, self.device, self.pin)
 
 
-def _unpin(block: PinnedBlock) -> None:
+def allocate_block(size: int, device: torch.device | None, pin: bool) -> PinnedBlock:
+    """``size`` bytes of page-aligned host memory, registered with CUDA on ``device`` when ``pin``.
+
+    Calling thread; seconds for tens of GB (the driver locks every page), so never the training
+    thread's, and never while a fence holds training. Free it with :func:`free_block`.
+    """
+    if size <= 0:
+        return PinnedBlock(data=torch.empty(0, dtype=torch.uint8), _mapping=None, pinned=False, device=device)
+    mapping = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP disabled on this kernel: pinning is slower, nothing else changes
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    # Fault the pages in with torch's intra-op threads (many cores at once); registering
+    # pages that are already there is what the driver does fastest.
+    data.zero_()
+    if pin:
+        # On the block's device (the calling thread's current device may be another GPU's, or
+        # unset: a context would be made on GPU 0); portable, so any context may copy into it.
+        with torch.cuda.device(device):
+            status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, HOST_REGISTER_PORTABLE)
+        if int(status) != 0:
+            raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(status)})")
+    return PinnedBlock(data=data, _mapping=mapping, pinned=pin, device=device)
+
+
+def free_block(block: PinnedBlock) -> None:
+    """Unregister ``block`` (if pinned) and drop this reference to its memory. Not while a copy uses it."""
     if block.pinned:
         with torch.cuda.device(block.device):
             torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr())

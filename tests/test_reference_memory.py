@@ -1,0 +1,133 @@
+"""The GPU path's reference store (asyncckpt/_gpu/delta_store.py) run on host memory: memory is
+allocated between saves, never by a record; budgets hold; a reference is always the bytes of the
+committed base; a failed save keeps its memory; close frees everything.
+
+The store is the GPU path's own class; on this CPU-only machine its "device" is the CPU and its
+host memory is unpinned, which changes where bytes live, not the life cycle tested here.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncckpt._gpu.delta_store import DeviceReferenceStore
+
+CPU = torch.device("cpu")
+
+
+def _store(device_budget: int, host_budget: int) -> DeviceReferenceStore:
+    return DeviceReferenceStore(CPU, host_budget, device_budget, pin=False)
+
+
+def _bytes(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _save(store: DeviceReferenceStore, step: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """One committed save of ``state``: the references it found, then its records."""
+    base = store.begin(step)
+    found = {key: store.reference(key, raw.numel()) if base is not None else None for key, raw in state.items()}
+    found = {key: None if ref is None else ref.clone() for key, ref in found.items()}
+    for key, raw in state.items():
+        store.record(key, raw)
+    store.commit(step, f"{step:064x}", has_reference=any(ref is not None for ref in found.values()))
+    assert store.wait_prepared(timeout_seconds=30)
+    return found
+
+
+def test_a_record_never_allocates_and_the_third_save_is_the_first_delta() -> None:
+    store = _store(device_budget=1000, host_budget=1000)
+    state = {"a": _bytes(1, 100), "b": _bytes(2, 300)}
+    store.begin(1)
+    for key, raw in state.items():
+        store.record(key, raw)
+    assert (store.held_bytes, store.device_bytes, store.host_bytes) == (0, 0, 0), "the first save allocated"
+    store.commit(1, "1" * 64, has_reference=False)
+    assert store.wait_prepared(timeout_seconds=30)
+    assert store.device_bytes + store.host_bytes == 400 and store.held_bytes == 0, "allocated after the commit"
+    second = {key: raw + 1 for key, raw in state.items()}
+    assert _save(store, 2, second) == {"a": None, "b": None}, "save 1's bytes were never kept"
+    found = _save(store, 3, {key: raw + 2 for key, raw in state.items()})
+    assert all(torch.equal(found[key], second[key]) for key in state), "save 3 refers to save 2's bytes"  # type: ignore[arg-type]
+    store.close()
+    assert (store.held_bytes, store.device_bytes, store.host_bytes) == (0, 0, 0)
+
+
+def test_device_memory_first_then_host_then_nothing() -> None:
+    store = _store(device_budget=250, host_budget=150)
+    state = {"a": _bytes(1, 100), "b": _bytes(2, 100), "c": _bytes(3, 100), "d": _bytes(4, 100)}
+    for step in (1, 2):
+        _save(store, step, state)
+    found = _save(store, 3, state)
+    kept = [key for key, ref in found.items() if ref is not None]
+    assert (store.device_bytes, store.host_bytes) == (200, 100)
+    assert len(kept) == 3, f"two fit on the device and one on the host, got {kept}"
+    on_device = [key for key in kept if key in store._memory and store._memory[key].block is None]
+    assert len(on_device) == 2
+
+
+def test_a_failed_save_keeps_the_memory_and_pins_nothing_again() -> None:
+    store = _store(device_budget=0, host_budget=1000)
+    state = {"a": _bytes(1, 100), "b": _bytes(2, 200)}
+    for step in (1, 2):
+        _save(store, step, state)
+    store.begin(3)
+    store.record("a", state["a"])
+    store.invalidate()  # the save failed
+    assert store.host_bytes == 300, "the memory stays, as spare"
+    assert store.begin(4) is None, "after a failure the next save is full"
+    for key, raw in state.items():
+        store.record(key, raw)
+    assert store.held_bytes == 300, "the full save after a failure copies into the spare memory at once"
+    store.commit(4, "4" * 64, has_reference=False)
+    assert store.wait_prepared(timeout_seconds=30) and store.host_bytes == 300
+
+
+def test_memory_of_a_key_that_left_or_changed_size_is_freed_after_the_commit() -> None:
+    store = _store(device_budget=10_000, host_budget=0)
+    for step in (1, 2):
+        _save(store, step, {"a": _bytes(1, 100), "b": _bytes(2, 200)})
+    assert store.device_bytes == 300
+    _save(store, 3, {"a": _bytes(1, 120)})  # b left; a grew: a's old memory retired, 120 bytes wanted
+    assert store.device_bytes == 120
+    found = _save(store, 4, {"a": _bytes(5, 120)})
+    assert found["a"] is None, "a's reference of its old size is gone"
+    assert _save(store, 5, {"a": _bytes(6, 120)})["a"] is not None
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_references_are_always_the_committed_base_and_budgets_hold(data: st.DataObject) -> None:
+    sizes = [0, 8, 24, 64]
+    device_budget = data.draw(st.integers(0, 120), label="device budget")
+    host_budget = data.draw(st.integers(0, 120), label="host budget")
+    store = _store(device_budget, host_budget)
+    committed: dict[str, torch.Tensor] = {}
+    """The bytes of the last committed save since the last failure (what a reference must equal)."""
+    seed = 0
+    for step in range(1, data.draw(st.integers(1, 9), label="saves") + 1):
+        base = store.begin(step)
+        keys = data.draw(st.lists(st.sampled_from("abc"), unique=True), label=f"keys of save {step}")
+        state = {}
+        for key in keys:
+            seed += 1
+            state[key] = _bytes(seed, data.draw(st.sampled_from(sizes), label=f"size of {key}"))
+        for key, raw in state.items():
+            ref = store.reference(key, raw.numel()) if base is not None else None
+            if ref is not None:
+                assert key in committed and torch.equal(ref, committed[key]), f"save {step}: {key} refers elsewhere"
+            store.record(key, raw, keep=data.draw(st.booleans(), label=f"keep {key}"))
+            assert store.device_bytes <= device_budget and store.host_bytes <= host_budget
+        if data.draw(st.booleans(), label=f"save {step} fails"):
+            store.invalidate()
+            committed = {}
+        else:
+            store.commit(step, f"{step:064x}", has_reference=False)
+            committed = {key: raw.clone() for key, raw in state.items()}
+        if data.draw(st.booleans(), label="wait for the background allocation"):
+            assert store.wait_prepared(timeout_seconds=30)
+            assert store.device_bytes <= device_budget and store.host_bytes <= host_budget
+    store.close()
+    assert (store.held_bytes, store.device_bytes, store.host_bytes) == (0, 0, 0)
