@@ -4,7 +4,9 @@ Policy (``delta`` and ``delta_full_every`` in :class:`~asyncckpt.options.Checkpo
 
 * A save's reference is the previous save of the same checkpointer, if it committed (a chain).
   Every ``delta_full_every``-th save of a chain is full, as is the first save of a checkpointer,
-  the first after a failed save or ``discard_steps_after``, and ``save(..., full=True)``. So a
+  the first after a failed save or ``discard_steps_after``, and ``save(..., full=True)``. (A save
+  also stores in full every key its store has no memory for yet: on the GPU path, whose store
+  allocates after a commit, every key of a checkpointer's first save.) So a
   restore reads at most ``delta_full_every`` checkpoints per tensor.
 * Per tensor, the delta (:func:`~asyncckpt._delta_ops.encode_delta`, then the usual codec) is kept
   only when its blob is smaller than the tensor's blob when it was last stored in full;
