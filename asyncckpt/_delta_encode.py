@@ -2,11 +2,13 @@
 
 Policy (``delta`` and ``delta_full_every`` in :class:`~asyncckpt.options.CheckpointOptions`):
 
-* A save's reference is the previous save of the same checkpointer, if it committed (a chain).
+* A save's reference (``delta_reference``) is the last full save of the same checkpointer
+  (``full``, the default: a restore reads at most two checkpoints per tensor) or the save just
+  before it (``previous``: a chain, each delta against the one before), if it committed.
   Every ``delta_full_every``-th save of a chain is full, as is the first save of a checkpointer,
   the first after a failed save or ``discard_steps_after``, and ``save(..., full=True)``. (A save
   also stores in full every key its store has no memory for yet: on the GPU path, whose store
-  allocates after a commit, every key of a checkpointer's first save.) So a
+  allocates after a commit, every key of a checkpointer's first save.) So with ``previous`` a
   restore reads at most ``delta_full_every`` checkpoints per tensor.
 * Per tensor, the delta (:func:`~asyncckpt._delta_ops.encode_delta`, then the usual codec) is kept
   only when its blob is smaller than the tensor's blob when it was last stored in full;
@@ -50,10 +52,13 @@ _identity = NoneCodec()
 class DeltaWriter:
     """One checkpointer's delta policy and reference store. Worker thread, except :meth:`invalidate`."""
 
-    def __init__(self, store: ReferenceStore, mode: str, full_every: int, budget_bytes: int) -> None:
+    def __init__(self, store: ReferenceStore, mode: str, full_every: int, budget_bytes: int,
+                 reference: str = "full") -> None:  # fmt: skip
         self.store = store
         self.mode = mode
         self.full_every = full_every
+        self.reference = reference
+        """``full`` (deltas against the chain's full save) or ``previous`` (against the save before)."""
         self.budget_bytes = budget_bytes
         self.ops: dict[str, str] = {}
         """The op chosen per key since the last full save."""
@@ -69,6 +74,8 @@ class DeltaWriter:
             base = None
             self.ops.clear()
             self.losers.clear()
+        # Against the chain's full save, a delta save leaves the store's bytes as they are.
+        self.store.freeze(base is not None and self.reference == "full")
         return DeltaSave(self, base)
 
     def invalidate(self) -> None:
@@ -179,4 +186,4 @@ def build_delta_writer(options: CheckpointOptions,
     if budget is None:
         budget = default_host_budget_bytes()
     built = (store or HostReferenceStore)(budget)
-    return DeltaWriter(built, options.delta, options.delta_full_every, budget)
+    return DeltaWriter(built, options.delta, options.delta_full_every, budget, options.delta_reference)

@@ -1,16 +1,19 @@
-"""The reference store of incremental checkpoints: each key's raw bytes at the last committed save.
+"""The reference store of incremental checkpoints: each key's raw bytes at the base save.
 
 A delta save (:mod:`asyncckpt._delta_encode`) stores a tensor as a transform against the same
-key's bytes in the previous checkpoint of the same checkpointer. Those bytes are kept here, not
-read back from disk: the worker copies every tensor it encodes into the store (``ref := new``),
-and the store says which checkpoint they belong to only once that save is committed.
+key's bytes in an earlier checkpoint of the same checkpointer: the chain's last full save
+(``delta_reference="full"``) or the save just before (``"previous"``). Those bytes are kept
+here, not read back from disk: the worker copies every tensor a full save encodes (with
+``previous``, every save) into the store (``ref := new``), and the store says which checkpoint
+they belong to only once that save is committed.
 
 Life cycle, all on the checkpoint worker thread except :meth:`invalidate`:
 
 1. :meth:`ReferenceStore.begin` at the start of a save: the base to encode against (the last
    committed save, its manifest digest and chain depth), or None for a full save.
 2. per tensor: :meth:`~ReferenceStore.reference` (the base bytes, or None: store it in full),
-   then :meth:`~ReferenceStore.record` (the new bytes replace them, in place).
+   then :meth:`~ReferenceStore.record` (the new bytes replace them, in place, unless the
+   writer :meth:`~ReferenceStore.freeze`-d the save: a delta against the full save keeps them).
 3. :meth:`~ReferenceStore.commit` once the checkpoint is committed (and, distributed, as this
    rank sees the commit); :meth:`~ReferenceStore.invalidate` on any failure (encode, write,
    commit), by ``discard_steps_after``, and whenever the store cannot vouch for its bytes: the
@@ -24,6 +27,7 @@ a GPU-memory store implements the same :class:`ReferenceStore` protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,7 +44,9 @@ class Base:
     step: int
     manifest_sha256: str
     depth: int
-    """How many delta checkpoints lie between it and the last full one (0: it is full itself)."""
+    """How many delta saves the chain has had since its last full save (0: none yet). With
+    ``delta_reference="previous"`` also how many delta checkpoints lie between the base and that
+    full save; with ``"full"`` the base is that full save, whatever the depth."""
 
 
 class ReferenceStore(Protocol):
@@ -52,6 +58,11 @@ class ReferenceStore(Protocol):
 
     def reference(self, key: str, raw_bytes: int) -> torch.Tensor | None:
         """``key``'s 1-D uint8 bytes in the base, or None when the store has none of that size."""
+        ...
+
+    def freeze(self, frozen: bool) -> None:
+        """Whether the save just begun leaves the base's bytes in place (a delta save against the
+        chain's full save): its records then keep nothing, and its commit keeps the base."""
         ...
 
     def record(self, key: str, raw: torch.Tensor, *, keep: bool = True) -> None:
@@ -89,6 +100,8 @@ class HostReferenceStore:
         self._base: Base | None = None
         self._valid_for: int | None = None
         """The step begun last, while no failure or invalidation happened since."""
+        self._frozen = False
+        """The save begun last keeps the base's bytes (:meth:`freeze`)."""
         self._lock = threading.RLock()  # re-entrant: a subclass's _drop and _clear take it, called with it held
 
     @property
@@ -100,6 +113,7 @@ class HostReferenceStore:
             base = self._base
             self._touched = set()
             self._valid_for = step
+            self._frozen = False
             if base is not None and base.step >= step:
                 # A save below the base (a new timeline): a reference must be an earlier step.
                 self._clear()
@@ -112,8 +126,15 @@ class HostReferenceStore:
         found = self._bytes.get(key)
         return found if found is not None and found.numel() == raw_bytes else None
 
+    def freeze(self, frozen: bool) -> None:
+        self._frozen = frozen and self._base is not None
+
     def record(self, key: str, raw: torch.Tensor, *, keep: bool = True) -> None:
         self._touched.add(key)
+        if self._frozen:
+            if not keep:
+                self._drop(key)
+            return
         held = self._bytes.get(key)
         if keep and held is not None and held.numel() == raw.numel():
             held.copy_(raw)
@@ -139,9 +160,14 @@ class HostReferenceStore:
                 self._drop(key)  # gone from the state: the next save cannot refer to it
             for key in set(self._full_sizes) - self._touched:
                 del self._full_sizes[key]
-            depth = self._base.depth + 1 if has_reference and self._base is not None else 0
-            self._base = Base(step=step, manifest_sha256=manifest_sha256, depth=depth)
+            if self._frozen and self._base is not None:
+                # The bytes are still the full save's: the next delta refers to it too, one save further on.
+                self._base = dataclasses.replace(self._base, depth=self._base.depth + 1)
+            else:
+                depth = self._base.depth + 1 if has_reference and self._base is not None else 0
+                self._base = Base(step=step, manifest_sha256=manifest_sha256, depth=depth)
             self._valid_for = None
+            self._frozen = False
 
     def invalidate(self) -> None:
         with self._lock:
@@ -161,3 +187,4 @@ class HostReferenceStore:
         self._full_sizes.clear()
         self._base = None
         self._valid_for = None
+        self._frozen = False

@@ -17,6 +17,8 @@ WhenBusy = Literal["block", "skip"]
 SnapshotMode = Literal["auto", "host", "device", "fence"]
 DeltaMode = Literal["off", "on", "auto"]
 DELTA_MODES = ("off", "on", "auto")
+DeltaReference = Literal["full", "previous"]
+DELTA_REFERENCES = ("full", "previous")
 MAX_DELTA_FULL_EVERY = 64
 """The longest chain a reader follows (``asyncckpt._delta_chain.MAX_CHAIN_DEPTH``)."""
 
@@ -55,8 +57,15 @@ class CheckpointOptions:
     ``auto`` (as ``on``, but keys whose delta does not pay are neither tried nor kept in memory until
     the next full save, and references share the host budget with staging)."""
     delta_full_every: int = 4
-    """With ``delta``: every this many saves one is full (1: all full). Restoring any step reads at
-    most this many checkpoints per tensor; larger values shrink more saves and read more on restore."""
+    """With ``delta``: every this many saves one is full (1: all full); larger values make more saves
+    small. With ``delta_reference="previous"`` restoring a step reads up to this many checkpoints
+    per tensor; with ``"full"``, at most two."""
+    delta_reference: DeltaReference = "full"
+    """With ``delta``: what a delta save is encoded against. ``full``: the last full save (a restore
+    reads at most two checkpoints per tensor, and a delta save copies no reference; each delta grows
+    a little with its distance from that save). ``previous``: the save just before (the smallest
+    deltas; a restore reads the whole chain back to its full save). Measured: docs/benchmarks.md,
+    "Incremental checkpoints"."""
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
@@ -77,6 +86,9 @@ class CheckpointOptions:
             raise ValueError(f"io_threads must be >= 0, got {self.io_threads}")
         if self.delta not in DELTA_MODES:
             raise ValueError(f"delta must be 'off', 'on' or 'auto'; got {self.delta!r}")
+        if self.delta_reference not in DELTA_REFERENCES:
+            raise ValueError(f"delta_reference must be 'full' (deltas against the chain's full save) or 'previous' "
+                             f"(against the save before); got {self.delta_reference!r}")  # fmt: skip
         if type(self.delta_full_every) is not int or not 1 <= self.delta_full_every <= MAX_DELTA_FULL_EVERY:
             raise ValueError(f"delta_full_every must be an int in [1, {MAX_DELTA_FULL_EVERY}] (saves per full "
                              f"checkpoint), got {self.delta_full_every!r}")  # fmt: skip

@@ -48,10 +48,11 @@ def _delta_keys(path: Path) -> dict[str, str | None]:
     return {t.key: t.delta for t in read_manifest(path).tensors}
 
 
-def test_a_chain_longer_than_k_restores_every_step_bit_for_bit(run_dir: Path) -> None:
+@pytest.mark.parametrize("reference", ["full", "previous"])
+def test_a_chain_longer_than_k_restores_every_step_bit_for_bit(run_dir: Path, reference: str) -> None:
     model, opt = _trainer()
     expected = {}
-    with asyncckpt.AsyncCheckpointer(run_dir, delta="on", delta_full_every=3) as ckpt:
+    with asyncckpt.AsyncCheckpointer(run_dir, delta="on", delta_full_every=3, delta_reference=reference) as ckpt:
         for step in range(1, 9):
             _train(model, opt)
             state = _state(model, opt, step)
@@ -64,9 +65,13 @@ def test_a_chain_longer_than_k_restores_every_step_bit_for_bit(run_dir: Path) ->
     for step, state in expected.items():
         assert difference(state, asyncckpt.load(run_dir, step=step)) is None, step
         asyncckpt.verify(run_dir, step=step)
+    bases = {step: read_manifest(run_dir / f"step-{step:010d}").reference for step in expected}
+    depth_one = all(read_manifest(run_dir / f"step-{b.step:010d}").reference is None for b in bases.values() if b)
+    assert depth_one == (reference == "full"), "with 'full' every delta refers to a full checkpoint: two reads at most"
+    base = 4 if reference == "full" else 5  # the chain's full save, or the save before
     manifest = read_manifest(run_dir / "step-0000000006")
-    assert manifest.reference is not None and manifest.reference.step == 5
-    assert manifest.reference.manifest_sha256 == read_manifest(run_dir / "step-0000000005").digest
+    assert manifest.reference is not None and manifest.reference.step == base
+    assert manifest.reference.manifest_sha256 == read_manifest(run_dir / f"step-{base:010d}").digest
     keys = _delta_keys(run_dir / "step-0000000006")
     assert keys["model/0.weight"] in ("xor", "sub"), "slowly drifting weights are stored as deltas"
     assert keys["noise"] is None, "a tensor whose delta does not pay is stored on its own"
@@ -113,7 +118,7 @@ def test_retention_keeps_every_base_a_kept_checkpoint_needs(run_dir: Path) -> No
 
 def test_a_corrupt_or_missing_base_fails_every_dependent(run_dir: Path) -> None:
     model, opt = _trainer(3)
-    with asyncckpt.AsyncCheckpointer(run_dir, delta="on", delta_full_every=8) as ckpt:
+    with asyncckpt.AsyncCheckpointer(run_dir, delta="on", delta_full_every=8, delta_reference="previous") as ckpt:
         for step in (1, 2, 3):
             _train(model, opt)
             ckpt.save(step, _state(model, opt, step)).result()

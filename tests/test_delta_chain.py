@@ -22,7 +22,7 @@ from asyncckpt._manifest_digest import DIGEST_FIELD, seal
 
 def _chain(root: Path, steps: int = 4) -> None:
     w = torch.linspace(0, 1, 20_000)
-    with asyncckpt.AsyncCheckpointer(root, delta="on", delta_full_every=8) as ckpt:
+    with asyncckpt.AsyncCheckpointer(root, delta="on", delta_full_every=8, delta_reference="previous") as ckpt:
         for step in range(1, steps + 1):
             ckpt.save(step * 10, {"w": w + step * 1e-7, "i": torch.arange(5000) + step}).result()
 
@@ -112,11 +112,12 @@ def _drift(state: Any, seed: int) -> Any:
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
-@given(state=states(max_leaves=8), full_every=st.integers(1, 3))
-def test_random_states_round_trip_through_a_chain(state: Any, full_every: int) -> None:
+@given(state=states(max_leaves=8), full_every=st.integers(1, 3), reference=st.sampled_from(["full", "previous"]))
+def test_random_states_round_trip_through_a_chain(state: Any, full_every: int, reference: str) -> None:
     with tempfile.TemporaryDirectory(prefix="asyncckpt-delta-") as tmp:
         saved = []
-        with asyncckpt.AsyncCheckpointer(tmp, delta="on", delta_full_every=full_every) as ckpt:
+        with asyncckpt.AsyncCheckpointer(tmp, delta="on", delta_full_every=full_every,
+                                         delta_reference=reference) as ckpt:  # fmt: skip
             for step in range(1, 5):
                 current = state if step == 1 else _drift(saved[-1], step)
                 saved.append(current)
@@ -177,7 +178,7 @@ from asyncckpt.errors import SaveFailedError
 from asyncckpt._manifest import read_manifest
 w = torch.linspace(0, 1, 30_000) * (rank + 1)
 outcome = {}
-with DistributedCheckpointer(root, delta="on", delta_full_every=10) as ckpt:
+with DistributedCheckpointer(root, delta="on", delta_full_every=10, delta_reference="previous") as ckpt:
     for step in (1, 2, 3):
         w.add_(1e-7 * step)
         ckpt.save(step, {"w": w}).result(timeout=60)

@@ -1,6 +1,7 @@
 """The GPU path's reference store (asyncckpt/_gpu/delta_store.py) run on host memory: memory is
 allocated between saves, never by a record; budgets hold; a reference is always the bytes of the
-committed base; a failed save keeps its memory; close frees everything.
+committed base (the save before, or the full save a frozen save kept); a failed save keeps its
+memory; close frees everything.
 
 The store is the GPU path's own class; on this CPU-only machine its "device" is the CPU and its
 host memory is unpinned, which changes where bytes live, not the life cycle tested here.
@@ -97,10 +98,10 @@ def test_memory_of_a_key_that_left_or_changed_size_is_freed_after_the_commit() -
     assert _save(store, 5, {"a": _bytes(6, 120)})["a"] is not None
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_references_are_always_the_committed_base_and_budgets_hold(data: st.DataObject) -> None:
-    sizes = [0, 8, 24, 64]
+    sizes = [0, 8, 8, 8, 24, 64]  # mostly one size: a reference is kept only while its size stays
     device_budget = data.draw(st.integers(0, 120), label="device budget")
     host_budget = data.draw(st.integers(0, 120), label="host budget")
     store = _store(device_budget, host_budget)
@@ -109,6 +110,8 @@ def test_references_are_always_the_committed_base_and_budgets_hold(data: st.Data
     seed = 0
     for step in range(1, data.draw(st.integers(1, 9), label="saves") + 1):
         base = store.begin(step)
+        frozen = base is not None and data.draw(st.booleans(), label=f"save {step} is a delta against the full save")
+        store.freeze(frozen)
         keys = data.draw(st.lists(st.sampled_from("abc"), unique=True), label=f"keys of save {step}")
         state = {}
         for key in keys:
@@ -118,15 +121,18 @@ def test_references_are_always_the_committed_base_and_budgets_hold(data: st.Data
             ref = store.reference(key, raw.numel()) if base is not None else None
             if ref is not None:
                 assert key in committed and torch.equal(ref, committed[key]), f"save {step}: {key} refers elsewhere"
-            store.record(key, raw, keep=data.draw(st.booleans(), label=f"keep {key}"))
+            store.record(key, raw, keep=data.draw(st.sampled_from([True, True, True, False]), label=f"keep {key}"))
             assert store.device_bytes <= device_budget and store.host_bytes <= host_budget
-        if data.draw(st.booleans(), label=f"save {step} fails"):
+        if data.draw(st.sampled_from([False, False, False, True]), label=f"save {step} fails"):
             store.invalidate()
             committed = {}
         else:
-            store.commit(step, f"{step:064x}", has_reference=False)
-            committed = {key: raw.clone() for key, raw in state.items()}
-        if data.draw(st.booleans(), label="wait for the background allocation"):
+            store.commit(step, f"{step:064x}", has_reference=frozen)
+            if frozen:  # the base's bytes stay; a key this save left out or gave up is gone
+                committed = {key: raw for key, raw in committed.items() if key in state}
+            else:
+                committed = {key: raw.clone() for key, raw in state.items()}
+        if data.draw(st.sampled_from([True, True, False]), label="wait for the background allocation"):
             assert store.wait_prepared(timeout_seconds=30)
             assert store.device_bytes <= device_budget and store.host_bytes <= host_budget
     store.close()

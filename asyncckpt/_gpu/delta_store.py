@@ -98,6 +98,9 @@ class DeviceReferenceStore(HostReferenceStore):
         return found.to(self.device, non_blocking=True)
 
     def record(self, key: str, raw: torch.Tensor, *, keep: bool = True) -> None:
+        if self._frozen:  # a delta save against the chain's full save: nothing to copy or allocate
+            super().record(key, raw, keep=keep)
+            return
         self._touched.add(key)
         held = self._bytes.get(key)
         if keep and held is not None and held.numel() == raw.numel():
