@@ -13,12 +13,14 @@ that codes each plane's bytes on their own), and the delta path's throughput (tr
 raw bytes per second, device synchronised). ``--precisions autocast,fp32`` runs both a BF16-autocast
 and an FP32 training loop (autocast only exists on the GPU here).
 
-**Checkpoints**: the same training run saved ``--save-every`` steps apart by two checkpointers side
-by side, ``delta="off"`` and ``delta="on"`` (``delta_full_every`` = ``--chain``), until the last save
-is the deepest of its chain: ``--chain`` saves, one more on the GPU path, where a checkpointer's
-first save keeps no references (their memory is allocated after it); per save the stored bytes and seconds until
-durable; then the restore time of the deepest delta checkpoint against the full checkpoint of
-the same step, both checked bit for bit against the state saved.
+**Checkpoints**: the same training run saved ``--save-every`` steps apart by checkpointers side by
+side: ``delta="off"``, and ``delta="on"`` with each ``--references`` policy (``delta_reference``:
+``full``, deltas against the chain's full save, the default; ``previous``, against the save before),
+``delta_full_every`` = ``--chain``, until the last save is the deepest of its chain: ``--chain``
+saves, one more on the GPU path, where a checkpointer's first save keeps no references (their
+memory is allocated after it). Per save the ratio, the training time lost and the seconds until
+durable; then each checkpointer's last checkpoint restored and checked bit for bit against the
+state saved, with the bytes that restore reads.
 
     python -m benchmarks.delta --tiny                  # CPU smoke test (CI)
     python -m benchmarks.delta --out benchmarks/results  # on the H200: 1B parameters
@@ -54,7 +56,6 @@ from .common import (
     fmt_rate,
     fmt_ratio,
     fmt_seconds,
-    path_bytes,
     report_head,
     result_name,
     synchronize,
@@ -77,6 +78,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", default="autocast,fp32", help="training loops: autocast (BF16) and/or fp32")
     p.add_argument("--chain", type=int, default=3, help="checkpoints in the measured chain (delta_full_every)")
     p.add_argument("--save-every", type=int, default=100, help="training steps between the chain's saves")
+    p.add_argument("--references", default="full",
+                   help="delta_reference policies to save with beside delta off: full and/or previous")  # fmt: skip
     p.add_argument("--scratch", type=Path, default=Path(".bench-scratch/delta"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke test")
@@ -217,22 +220,27 @@ def restore_read_bytes(directory: Path, step: int) -> int:
 
 
 def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progress) -> dict[str, Any]:
-    """``--chain`` saves per mode while training runs, then the deepest checkpoint's restore."""
+    """Saves per checkpointer while training runs (delta off, and on with each ``--references``
+    policy), then each one's deepest checkpoint restored."""
     work = Workload(config)
     device = work.device
     work.train(args.warmup)
     baseline = statistics.median(work.step() for _ in range(10))
-    dirs = {mode: args.scratch / f"delta-{mode}" for mode in ("off", "on")}
+    modes = ["off", *(r for r in args.references.split(",") if r)]
+    dirs = {mode: args.scratch / f"delta-{mode}" for mode in modes}
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
-    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, delta=mode, delta_full_every=args.chain, keep_last=1 if mode == "off"
-                                               else None) for mode, d in dirs.items()}  # fmt: skip
-    saves: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    # keep_last=1: retention keeps the bases the last checkpoint needs, and the disk holds no more.
+    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, keep_last=1, delta="off") if mode == "off" else
+             asyncckpt.AsyncCheckpointer(d, keep_last=1, delta="on", delta_full_every=args.chain, delta_reference=mode)
+             for mode, d in dirs.items()}  # fmt: skip
+    saves: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     expected: dict[str, Any] = {}
     try:
         # On the GPU path a checkpointer's first save keeps no references (their memory is allocated
         # after it), so its chain starts at the second save.
-        saves_count = args.chain + (1 if hasattr(_reference_store(ckpts["on"]), "wait_prepared") else 0)
+        deferred = any(hasattr(_reference_store(c), "wait_prepared") for c in ckpts.values())
+        saves_count = args.chain + (1 if deferred else 0)
         for i in range(saves_count):
             work.train(args.save_every)
             for mode, ckpt in ckpts.items():
@@ -240,11 +248,7 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
                     expected[mode] = clone_state({"model": work.model.state_dict(),
                                                   "optim": work.optimizer.state_dict()})  # fmt: skip
                 saves[mode].append(_save_while_training(ckpt, work, baseline))
-            on, off = saves["on"][-1], saves["off"][-1]
-            progress.say(f"save {i + 1}: delta off {off['raw_bytes'] / off['stored_bytes']:.3f}x, lost "
-                         f"{fmt_seconds(off['lost_seconds'])}, durable {fmt_seconds(off['durable_seconds'])}; on "
-                         f"{on['raw_bytes'] / on['stored_bytes']:.3f}x, lost {fmt_seconds(on['lost_seconds'])}, "
-                         f"durable {fmt_seconds(on['durable_seconds'])}")  # fmt: skip
+            progress.say(f"save {i + 1}: " + "; ".join(f"{mode} {_cell(saves[mode][-1])}" for mode in modes))
             if isinstance(progress, BarProgress):
                 progress.advance()
     finally:
@@ -252,19 +256,18 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
             ckpt.close()
     del work
     restores: dict[str, Any] = {}
-    for mode in ("off", "on"):
+    for mode in modes:
         step = saves[mode][-1]["step"]
         loaded, seconds = _timed_load(dirs[mode], step, device)
         exact = first_difference(expected[mode], loaded) is None
         restores[mode] = {"step": step, "seconds": seconds, "bit_exact": exact,
                           "read_bytes": restore_read_bytes(dirs[mode], step)}  # fmt: skip
         del loaded
-        progress.say(f"restore step {step}, delta {mode}: {fmt_seconds(seconds)}, bit-exact {exact}")
-    read = {mode: sum(path_bytes(p) for p in dirs[mode].glob("step-*")) for mode in ("off", "on")}
+        progress.say(f"restore step {step}, {mode}: {fmt_seconds(seconds)}, bit-exact {exact}")
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     return {"saves": saves, "restores": restores, "chain": args.chain, "save_every": args.save_every,
-            "baseline_step_seconds": baseline, "bytes_on_disk": read}  # fmt: skip
+            "baseline_step_seconds": baseline}  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -291,38 +294,39 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _chain_lines(chain: dict[str, Any]) -> list[str]:
-    def cell(row: dict[str, Any]) -> str:
-        ratio = row["raw_bytes"] / row["stored_bytes"]
-        return f"{ratio:.3f}x, {fmt_seconds(row.get('lost_seconds'))}, {fmt_seconds(row['durable_seconds'])}"
+def _cell(row: dict[str, Any]) -> str:
+    ratio = row["raw_bytes"] / row["stored_bytes"]
+    return f"{ratio:.3f}x, {fmt_seconds(row.get('lost_seconds'))}, {fmt_seconds(row['durable_seconds'])}"
 
+
+MODE_TITLES = {"off": "delta off", "full": "delta against the full save", "previous": "delta against the save before"}
+
+
+def _chain_lines(chain: dict[str, Any]) -> list[str]:
+    modes = list(chain["saves"])
     lines = [
-        f"## Checkpoints while training: {len(chain['saves']['on'])} saves, {chain['save_every']} steps apart, "
-        f"a full one every {chain['chain']} "
-        f"(baseline step {fmt_seconds(chain.get('baseline_step_seconds'))})",
+        f"## Checkpoints while training: {len(chain['saves']['off'])} saves, {chain['save_every']} steps apart, "
+        f"a full one every {chain['chain']} (baseline step {fmt_seconds(chain.get('baseline_step_seconds'))})",
         "",
-        "| save | delta off: ratio, training time lost, durable | delta on: ratio, training time lost, durable |",
-        "|---|---|---|",
+        "Each cell: ratio, training time lost, durable.",
+        "",
+        "| save | " + " | ".join(MODE_TITLES.get(mode, mode) for mode in modes) + " |",
+        "|---" * (len(modes) + 1) + "|",
     ]
-    for i, (off, on) in enumerate(zip(chain["saves"]["off"], chain["saves"]["on"], strict=True), 1):
-        lines.append(f"| {i} | {cell(off)} | {cell(on)} |")
-    r, on_disk = chain["restores"], chain.get("bytes_on_disk", {})
-    lines += [
-        "",
-        f"Restore of the deepest checkpoint: delta on {fmt_seconds(r['on']['seconds'])} (bit-exact: "
-        f"{r['on']['bit_exact']}; the chain holds {fmt_bytes(on_disk.get('on'))}) vs full "
-        f"{fmt_seconds(r['off']['seconds'])} (bit-exact: {r['off']['bit_exact']}; {fmt_bytes(on_disk.get('off'))}), "
-        f"{r['on']['seconds'] / r['off']['seconds']:.2f}x.",
-        "",
-    ]
-    if "read_bytes" in r["on"]:
-        on_read, off_read = r["on"]["read_bytes"], r["off"]["read_bytes"]
-        lines += [
-            f"The deepest restore reads {fmt_bytes(on_read)} (its records and their bases down the chain) against "
-            f"{fmt_bytes(off_read)} for the full checkpoint: {on_read / off_read:.2f}x the bytes, the ratio a "
-            "restore bound by the disk's read bandwidth cannot beat.",
-            "",
-        ]
+    for i, rows in enumerate(zip(*(chain["saves"][mode] for mode in modes), strict=True), 1):
+        lines.append(f"| {i} | " + " | ".join(_cell(row) for row in rows) + " |")
+    r = chain["restores"]
+    full = r["off"]
+    lines += ["", "Restore of each checkpointer's last checkpoint (the deepest of its chain), against the full one:",
+              "",
+              "| checkpointer | restore | bit-exact | bytes read | time vs full | bytes vs full |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for mode in modes:
+        e = r[mode]
+        lines.append(f"| {MODE_TITLES.get(mode, mode)} | {fmt_seconds(e['seconds'])} | {e['bit_exact']} | "
+                     f"{fmt_bytes(e['read_bytes'])} | {e['seconds'] / full['seconds']:.2f}x | "
+                     f"{e['read_bytes'] / full['read_bytes']:.2f}x |")  # fmt: skip
+    lines += ["", "Bytes read are the restore's floor where the disk's read bandwidth bounds it.", ""]
     return lines
 
 

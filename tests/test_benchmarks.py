@@ -275,8 +275,8 @@ def test_full_gpu_tiny(tmp_path: Path) -> None:
 def test_delta_tiny(tmp_path: Path) -> None:
     """The delta benchmark end to end at CPU size: ratios per class and interval, a chain saved with
     and without deltas while training runs, and the deepest checkpoint restored bit for bit."""
-    proc = run_module("-m", "benchmarks.delta", "--tiny", "--precisions", "fp32", "--out", str(tmp_path),
-                      "--scratch", str(tmp_path / "s"))  # fmt: skip
+    proc = run_module("-m", "benchmarks.delta", "--tiny", "--precisions", "fp32", "--references", "full,previous",
+                      "--out", str(tmp_path), "--scratch", str(tmp_path / "s"))  # fmt: skip
     (report_path,) = tmp_path.glob("delta-*.json")
     data = json.loads(report_path.read_text())
     (run,) = data["ratios"]
@@ -284,13 +284,19 @@ def test_delta_tiny(tmp_path: Path) -> None:
         whole = measured["whole_state"]["ratio"]
         assert whole["best"] >= max(whole["full"], whole["xor"], whole["sub"]) - 1e-9  # per tensor, the smallest
         assert whole["sub"] > whole["full"], "a few steps of drift: the delta must beat the full state"
-    chain = data["chain"]
-    on, off = chain["saves"]["on"], chain["saves"]["off"]
-    assert on[0]["stored_bytes"] >= 0.9 * off[0]["stored_bytes"]  # the first save of a chain is full
-    assert on[-1]["stored_bytes"] < off[-1]["stored_bytes"]
-    assert chain["restores"]["on"]["bit_exact"] and chain["restores"]["off"]["bit_exact"]
-    # A full restore reads its own blobs; the deepest delta's reads its bases' too, never more than the chain.
-    assert chain["restores"]["off"]["read_bytes"] == off[-1]["stored_bytes"]
-    assert on[-1]["stored_bytes"] < chain["restores"]["on"]["read_bytes"] <= sum(s["stored_bytes"] for s in on)
-    assert "Restore of the deepest checkpoint" in proc.stdout
+    chain, restores = data["chain"], data["chain"]["restores"]
+    off = chain["saves"]["off"]
+    assert all(restore["bit_exact"] for restore in restores.values())
+    assert restores["off"]["read_bytes"] == off[-1]["stored_bytes"], "a full restore reads its own blobs"
+    for mode in ("full", "previous"):
+        on = chain["saves"][mode]
+        assert on[0]["stored_bytes"] >= 0.9 * off[0]["stored_bytes"]  # the first save of a chain is full
+        assert on[-1]["stored_bytes"] < off[-1]["stored_bytes"]
+        # The deepest delta's restore reads its bases' blobs too, never more than the chain holds.
+        assert on[-1]["stored_bytes"] < restores[mode]["read_bytes"] <= sum(s["stored_bytes"] for s in on)
+    # Against the full save, the last checkpoint's restore reads it and the full save only.
+    full = chain["saves"]["full"]
+    assert restores["full"]["read_bytes"] <= full[-1]["stored_bytes"] + full[0]["stored_bytes"]
+    assert restores["full"]["read_bytes"] < restores["previous"]["read_bytes"]
+    assert "Restore of each checkpointer's last checkpoint" in proc.stdout
     assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"
