@@ -64,7 +64,7 @@ class CheckpointOptions:
     """With ``delta``: what a delta save is encoded against. ``full``: the last full save (a restore
     reads at most two checkpoints per tensor, and a delta save copies no reference; each delta grows
     a little with its distance from that save). ``previous``: the save just before (the smallest
-    deltas; a restore reads the whole chain back to its full save). Measured: docs/benchmarks.md,
+    deltas; a restore reads the whole chain back to its full save). Measured: README.md,
     "Incremental checkpoints"."""
 
     def __post_init__(self) -> None:
