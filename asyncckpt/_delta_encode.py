@@ -70,6 +70,8 @@ class DeltaWriter:
         if self.mode == "auto" and hasattr(self.store, "budget_bytes"):
             self.store.budget_bytes = max(0, self.budget_bytes - staging_bytes)
         base = self.store.begin(step)
+        if self.reference == "full" and base is not None and self.store.wants_full_save():
+            base = None  # memory came for keys the full save could not keep: a new full save fills it
         if full or base is None or base.depth + 1 >= self.full_every:
             base = None
             self.ops.clear()

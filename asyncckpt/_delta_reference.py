@@ -60,6 +60,11 @@ class ReferenceStore(Protocol):
         """``key``'s 1-D uint8 bytes in the base, or None when the store has none of that size."""
         ...
 
+    def wants_full_save(self) -> bool:
+        """Whether memory has arrived, since the base, for keys the base could not keep: with
+        ``delta_reference="full"`` the next save is then full, so those keys get references too."""
+        ...
+
     def freeze(self, frozen: bool) -> None:
         """Whether the save just begun leaves the base's bytes in place (a delta save against the
         chain's full save): its records then keep nothing, and its commit keeps the base."""
@@ -126,6 +131,9 @@ class HostReferenceStore:
         found = self._bytes.get(key)
         return found if found is not None and found.numel() == raw_bytes else None
 
+    def wants_full_save(self) -> bool:
+        return False  # memory is taken as a save records: none arrives between saves
+
     def freeze(self, frozen: bool) -> None:
         self._frozen = frozen and self._base is not None
 
@@ -156,10 +164,13 @@ class HostReferenceStore:
             if self._valid_for != step:
                 self._clear()  # invalidated while the save ran
                 return
-            for key in set(self._bytes) - self._touched:
-                self._drop(key)  # gone from the state: the next save cannot refer to it
-            for key in set(self._full_sizes) - self._touched:
-                del self._full_sizes[key]
+            if not self._frozen:
+                # Gone from the state: the next save cannot refer to it. A frozen save keeps every
+                # key: the bytes held are the full save's, which holds that key whatever comes later.
+                for key in set(self._bytes) - self._touched:
+                    self._drop(key)
+                for key in set(self._full_sizes) - self._touched:
+                    del self._full_sizes[key]
             if self._frozen and self._base is not None:
                 # The bytes are still the full save's: the next delta refers to it too, one save further on.
                 self._base = dataclasses.replace(self._base, depth=self._base.depth + 1)

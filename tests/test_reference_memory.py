@@ -9,11 +9,15 @@ host memory is unpinned, which changes where bytes live, not the life cycle test
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncckpt._codecs.zstd import ZstdCodec
+from asyncckpt._delta_encode import DeltaWriter
 from asyncckpt._gpu.delta_store import DeviceReferenceStore
+from asyncckpt._snapshot.base import StagedTensor
 
 CPU = torch.device("cpu")
 
@@ -137,3 +141,39 @@ def test_references_are_always_the_committed_base_and_budgets_hold(data: st.Data
             assert store.device_bytes <= device_budget and store.host_bytes <= host_budget
     store.close()
     assert (store.held_bytes, store.device_bytes, store.host_bytes) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("policy", ["full", "previous"])
+def test_the_writer_starts_its_first_chain_once_the_memory_has_come(policy: str) -> None:
+    """The real delta writer over the GPU path's store: save 1 keeps nothing, save 2 fills the memory
+    allocated after it, and from save 3 on every save is a delta (against save 2, or the one before)
+    until the next full save. Before 2026-12-06 the 'full' policy froze save 2 with no references
+    kept and stored the whole first chain in full."""
+    store = _store(device_budget=10**6, host_budget=10**6)
+    writer = DeltaWriter(store, "on", 4, 10**6, policy)
+    data = _bytes(7, 10_000)
+    kinds = []
+    for step in range(1, 11):
+        data = data.clone()
+        data[step] ^= 1  # one byte changes per save: a delta always wins
+        save = writer.begin(step)
+        blob = save.encode(ZstdCodec(), StagedTensor("w", torch.uint8, (10_000,), CPU, data))
+        reference = save.reference
+        save.committed(step, f"{step:064x}", reference is not None)
+        assert store.wait_prepared(timeout_seconds=30)
+        kinds.append((step, blob.delta is not None, reference.step if reference else None))
+    base_of = {3: 2, 4: 2, 5: 2, 7: 6, 8: 6, 9: 6} if policy == "full" else {s: s - 1 for s in (3, 4, 5, 7, 8, 9)}
+    assert kinds == [(s, s in base_of, base_of.get(s)) for s in range(1, 11)]
+
+
+def test_spare_memory_of_a_key_that_changed_dtype_after_a_failed_save_is_freed() -> None:
+    store = _store(device_budget=0, host_budget=150)  # room for one 100-byte reference
+    old, new = "w\0torch.float32", "w\0torch.bfloat16"
+    for step in (1, 2):
+        _save(store, step, {old: _bytes(step, 100)})
+    store.begin(3)
+    store.record(old, _bytes(3, 100))
+    store.invalidate()  # the save failed: the memory stays as spare for the old key...
+    for step in (4, 5, 6):
+        _save(store, step, {new: _bytes(step, 100)})  # ...which never comes back
+    assert list(store._spare) == [] and list(store._memory) == [new] and store.host_bytes == 100

@@ -22,15 +22,18 @@ with no memory (every key of a checkpointer's first save) is stored without a re
 size is noted. Once that save has committed, a background thread (``asyncckpt-reference-memory``)
 allocates what was noted, and frees what was given up (a key gone from the state, a size that
 changed, a delta ``auto`` gave up on); the next save copies into the new memory. So a
-checkpointer's first two saves are full and its third is the first delta. The reason: records
+checkpointer's first two saves are full and its third is the first delta. (With
+``delta_reference="full"`` a delta save copies nothing; when memory arrives for keys its full
+save could not keep, :meth:`wants_full_save` makes the next save full, so they get references.) The reason: records
 run on the compressor stream while a ``fence`` save holds training, and pinning runs at a few
 GB/s under a driver lock. When the first save pinned its references as it went, it cost training
 4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06,
 ``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``). A failed or invalidated save
 keeps the memory (as spare, for the same keys), so recovering from it pins nothing.
 
-Streams and threads: :meth:`record` and :meth:`reference` run on the compressor thread and
-enqueue their copies on its current stream, after the kernels that read the old bytes, never
+Streams and threads: :meth:`record` and :meth:`reference` run on the compressor thread (records
+under the store's lock, which :meth:`invalidate` takes from any thread) and enqueue their copies on
+its current stream, after the kernels that read the old bytes, never
 waiting for them (the compressor synchronises its stream before a save can commit). GPU
 memory is allocated for ``stream`` (the compressor's), so the caching allocator orders its reuse
 on that stream. The background thread touches only spare memory and the byte counters, under the
@@ -87,6 +90,8 @@ class DeviceReferenceStore(HostReferenceStore):
         """Keys recorded without memory, and the bytes each needs."""
         self._retired: list[_Memory] = []
         """Memory given up, freed by the next background pass (its last copy may still be queued)."""
+        self._allocating: dict[str, int] = {}
+        """Keys a background pass has yet to allocate for, and their sizes (not wanted again meanwhile)."""
         self._preparing: threading.Thread | None = None
 
     # ------------------------------------------------------------------ compressor thread
@@ -98,32 +103,51 @@ class DeviceReferenceStore(HostReferenceStore):
         return found.to(self.device, non_blocking=True)
 
     def record(self, key: str, raw: torch.Tensor, *, keep: bool = True) -> None:
-        if self._frozen:  # a delta save against the chain's full save: nothing to copy or allocate
-            super().record(key, raw, keep=keep)
-            return
-        self._touched.add(key)
-        held = self._bytes.get(key)
-        if keep and held is not None and held.numel() == raw.numel():
-            held.copy_(raw, non_blocking=True)
-            return
-        self._drop(key)
-        with self._lock:
+        nbytes = raw.numel()
+        with self._lock:  # invalidate() may move memory to spare from another thread
+            if self._frozen:  # a delta save against the chain's full save: nothing to copy
+                super().record(key, raw, keep=keep)
+                if keep and key not in self._bytes:
+                    self._want(key, nbytes)  # its memory will start the next chain (wants_full_save)
+                return
+            self._touched.add(key)
+            held = self._bytes.get(key)
+            if keep and held is not None and held.numel() == nbytes:
+                held.copy_(raw, non_blocking=True)
+                return
+            self._drop(key)
             spare = self._spare.pop(key, None)
-            if spare is not None and (not keep or spare.data.numel() != raw.numel()):
+            if spare is not None and (not keep or spare.data.numel() != nbytes):
                 self._retired.append(spare)
                 spare = None
-            if keep and spare is None:
-                self._wanted[key] = raw.numel()  # allocated once this save has committed
-        if spare is None:
-            return
-        spare.data.copy_(raw, non_blocking=True)
-        self._bytes[key] = spare.data
-        self._memory[key] = spare
-        self._held += raw.numel()
+            if spare is None:
+                if keep:
+                    self._want(key, nbytes)
+                return
+            spare.data.copy_(raw, non_blocking=True)
+            self._bytes[key] = spare.data
+            self._memory[key] = spare
+            self._held += nbytes
+
+    def wants_full_save(self) -> bool:
+        with self._lock:
+            return bool(self._spare)
+
+    def _want(self, key: str, nbytes: int) -> None:
+        """Note ``key`` for the next background pass, unless memory of that size is on its way. Lock held."""
+        if self._allocating.get(key) != nbytes:
+            self._wanted[key] = nbytes
 
     # ------------------------------------------------------------------ worker thread
     def commit(self, step: int, manifest_sha256: str, has_reference: bool) -> None:
-        super().commit(step, manifest_sha256, has_reference)
+        with self._lock:
+            valid, frozen = self._valid_for == step, self._frozen
+            super().commit(step, manifest_sha256, has_reference)
+            if valid and not frozen:
+                # Spare memory of a key this save did not record (it left the state, or changed dtype
+                # after a failed save) would be held for good: free it.
+                for key in [k for k in self._spare if k not in self._touched and k not in self._allocating]:
+                    self._retired.append(self._spare.pop(key))
         self._start_preparing()
 
     def wait_prepared(self, timeout_seconds: float | None = None) -> bool:
@@ -152,6 +176,7 @@ class DeviceReferenceStore(HostReferenceStore):
         with self._lock:
             wanted, self._wanted = self._wanted, {}
             retired, self._retired = self._retired, []
+            self._allocating.update(wanted)
         if not wanted and not retired:
             return
         previous = self._preparing
@@ -162,25 +187,43 @@ class DeviceReferenceStore(HostReferenceStore):
             for gone in retired:
                 self._free(gone)
             for key, nbytes in wanted.items():
-                memory = self._allocate(nbytes)
-                if memory is None:
-                    log.debug("asyncckpt: no reference memory for %r (%d bytes): stored in full", key, nbytes)
-                    continue
-                with self._lock:
-                    stale = self._spare.pop(key, None)
-                    self._spare[key] = memory
-                if stale is not None:
-                    self._free(stale)
+                try:
+                    self._prepare(key, nbytes)
+                finally:
+                    with self._lock:
+                        if self._allocating.get(key) == nbytes:
+                            del self._allocating[key]
 
         self._preparing = threading.Thread(target=run, name="asyncckpt-reference-memory", daemon=True)
         self._preparing.start()
+
+    def _prepare(self, key: str, nbytes: int) -> None:
+        """Background thread: spare memory for ``key``, unless it has memory of that size already."""
+        with self._lock:
+            if self._has_memory(key, nbytes):
+                return
+        memory = self._allocate(nbytes)
+        if memory is None:
+            log.debug("asyncckpt: no reference memory for %r (%d bytes): stored in full", key, nbytes)
+            return
+        with self._lock:
+            if self._has_memory(key, nbytes):
+                self._retired.append(memory)  # freed by the next pass, like all memory given up
+                return
+            stale = self._spare.pop(key, None)
+            if stale is not None:
+                self._retired.append(stale)  # a copy into it may still be queued: not freed now
+            self._spare[key] = memory
+
+    def _has_memory(self, key: str, nbytes: int) -> bool:
+        held, spare = self._memory.get(key), self._spare.get(key)
+        return any(m is not None and m.data.numel() == nbytes for m in (held, spare))
 
     def _allocate(self, nbytes: int) -> _Memory | None:
         """GPU memory within the device budget, else pinned host memory within the host budget."""
         with self._lock:
             if self.device_budget_bytes is None:
-                free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-                self.device_budget_bytes = free // 4
+                self.device_budget_bytes = _free_device_bytes(self.device) // 4
             on_device = self.device_bytes + nbytes <= self.device_budget_bytes
             if on_device:
                 self.device_bytes += nbytes  # counted before allocating, outside the lock
@@ -190,16 +233,18 @@ class DeviceReferenceStore(HostReferenceStore):
                     if self.stream is not None:
                         scope.enter_context(torch.cuda.stream(self.stream))
                     return _Memory(torch.empty(nbytes, dtype=torch.uint8, device=self.device), None)
-            except torch.OutOfMemoryError:
+            except Exception as exc:  # noqa: BLE001 - out of memory above all: training holds what the budget counted on
                 with self._lock:
-                    self.device_bytes -= nbytes  # training holds the memory the budget counted on: try the host
+                    self.device_bytes -= nbytes
+                log.debug("asyncckpt: no GPU memory for a %d-byte reference (%s): trying pinned host memory",
+                          nbytes, exc)  # fmt: skip
         with self._lock:
             if self.host_bytes + nbytes > self.budget_bytes:
                 return None
             self.host_bytes += nbytes
         try:
             block = allocate_block(nbytes, self.device if self.device.type == "cuda" else None, self.pin)
-        except (MemoryError, OSError, RuntimeError) as exc:  # the host cannot pin that much now
+        except Exception as exc:  # noqa: BLE001 - above all MemoryError/OSError: the host cannot pin that much now
             with self._lock:
                 self.host_bytes -= nbytes
             log.info("asyncckpt: no pinned memory for a %d-byte reference (%s): stored in full", nbytes, exc)
@@ -235,3 +280,13 @@ class DeviceReferenceStore(HostReferenceStore):
                 self._spare[key] = memory
             self._memory.clear()
             super()._clear()
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` now (0 for a CPU "device", or when the driver cannot say)."""
+    if device.type != "cuda":
+        return 0
+    try:
+        return int(torch.cuda.mem_get_info(device)[0])
+    except RuntimeError:
+        return 0
