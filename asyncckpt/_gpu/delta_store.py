@@ -90,8 +90,6 @@ class DeviceReferenceStore(HostReferenceStore):
         """Keys recorded without memory, and the bytes each needs."""
         self._retired: list[_Memory] = []
         """Memory given up, freed by the next background pass (its last copy may still be queued)."""
-        self._allocating: dict[str, int] = {}
-        """Keys a background pass has yet to allocate for, and their sizes (not wanted again meanwhile)."""
         self._preparing: threading.Thread | None = None
 
     # ------------------------------------------------------------------ compressor thread
@@ -134,9 +132,8 @@ class DeviceReferenceStore(HostReferenceStore):
             return bool(self._spare)
 
     def _want(self, key: str, nbytes: int) -> None:
-        """Note ``key`` for the next background pass, unless memory of that size is on its way. Lock held."""
-        if self._allocating.get(key) != nbytes:
-            self._wanted[key] = nbytes
+        """Note ``key`` for the next background pass (which skips it if an earlier pass gave it memory). Lock held."""
+        self._wanted[key] = nbytes
 
     # ------------------------------------------------------------------ worker thread
     def commit(self, step: int, manifest_sha256: str, has_reference: bool) -> None:
@@ -146,7 +143,7 @@ class DeviceReferenceStore(HostReferenceStore):
             if valid and not frozen:
                 # Spare memory of a key this save did not record (it left the state, or changed dtype
                 # after a failed save) would be held for good: free it.
-                for key in [k for k in self._spare if k not in self._touched and k not in self._allocating]:
+                for key in [k for k in self._spare if k not in self._touched]:
                     self._retired.append(self._spare.pop(key))
         self._start_preparing()
 
@@ -176,7 +173,6 @@ class DeviceReferenceStore(HostReferenceStore):
         with self._lock:
             wanted, self._wanted = self._wanted, {}
             retired, self._retired = self._retired, []
-            self._allocating.update(wanted)
         if not wanted and not retired:
             return
         previous = self._preparing
@@ -187,12 +183,7 @@ class DeviceReferenceStore(HostReferenceStore):
             for gone in retired:
                 self._free(gone)
             for key, nbytes in wanted.items():
-                try:
-                    self._prepare(key, nbytes)
-                finally:
-                    with self._lock:
-                        if self._allocating.get(key) == nbytes:
-                            del self._allocating[key]
+                self._prepare(key, nbytes)
 
         self._preparing = threading.Thread(target=run, name="asyncckpt-reference-memory", daemon=True)
         self._preparing.start()
