@@ -304,9 +304,14 @@ MODE_TITLES = {"off": "delta off", "full": "delta against the full save", "previ
 
 def _chain_lines(chain: dict[str, Any]) -> list[str]:
     modes = list(chain["saves"])
+    steps = {mode: [row["step"] for row in rows] for mode, rows in chain["saves"].items()}
     lines = [
-        f"## Checkpoints while training: {len(chain['saves']['off'])} saves, {chain['save_every']} steps apart, "
-        f"a full one every {chain['chain']} (baseline step {fmt_seconds(chain.get('baseline_step_seconds'))})",
+        f"## Checkpoints while training: {len(chain['saves']['off'])} saves, a full one every {chain['chain']} "
+        f"(baseline step {fmt_seconds(chain.get('baseline_step_seconds'))})",
+        "",
+        "Saved at training steps "
+        + "; ".join(f"{mode} {', '.join(map(str, s))}" for mode, s in steps.items())
+        + f": {chain['save_every']} steps apart plus the steps that ran while the earlier saves persisted.",
         "",
         "Each cell: ratio, training time lost, durable.",
         "",

@@ -16,16 +16,16 @@ from asyncckpt.testing.state_compare import clone_state, first_difference
 pytestmark = requires_gpu
 
 
-@pytest.mark.parametrize(("snapshot", "codec", "reference"), [
+@pytest.mark.parametrize(("snapshot", "codec", "policy"), [
     ("device", "auto", "full"), ("fence", "auto", "full"), ("host", "auto", "full"), ("device", "ans", "full"),
     ("fence", "auto", "previous"), ("device", "auto", "previous")])  # fmt: skip
 def test_a_delta_chain_restores_every_step_bit_for_bit(run_dir: Path, snapshot: str, codec: str,
-                                                       reference: str) -> None:  # fmt: skip
+                                                       policy: str) -> None:  # fmt: skip
     trainer = Trainer(width=512, layers=3, autocast=True, fused=True)
     trainer.step()
     saved = []
     with asyncckpt.AsyncCheckpointer(run_dir, snapshot=snapshot, codec=codec, delta="on", delta_full_every=3,
-                                     delta_reference=reference) as ckpt:  # fmt: skip
+                                     delta_reference=policy) as ckpt:  # fmt: skip
         for step in range(1, 8):
             for _ in range(2):
                 trainer.step()
@@ -49,7 +49,7 @@ def test_a_delta_chain_restores_every_step_bit_for_bit(run_dir: Path, snapshot: 
     # and every third save of it is full.
     for step in (1, 2, 5):
         assert kinds[step] == (set(), None), kinds
-    base_of = {3: 2, 4: 2, 6: 5, 7: 5} if reference == "full" else {3: 2, 4: 3, 6: 5, 7: 6}
+    base_of = {3: 2, 4: 2, 6: 5, 7: 5} if policy == "full" else {3: 2, 4: 3, 6: 5, 7: 6}
     for step, base_step in base_of.items():
         ops, base = kinds[step]
         assert ops and base is not None and base.step == base_step, kinds
