@@ -9,9 +9,10 @@ a checkpoint persists; nvCOMP throughput in the pipeline), run on the lent H200:
    sleep waits for the GPU; one during which the counter stands still holds the GIL.
 2. **Interference.** Training steps of the benchmark workload are timed with nothing else
    running, then with each background activity alone on another thread (KvikIO writes of
-   device memory, the checksum kernel, batched nvCOMP encodes, a Python busy loop).
+   device memory, the checksum kernel, batched nvCOMP encodes, a Python busy loop, and the
+   allocations of reference memory: host pages faulted, pinned, registered, device blocks).
 
-Usage (device only): ``python3 -m benchmarks.host_blocking --out DIR``; writes
+Usage (device only): ``python3 -m benchmarks.host_blocking --out DIR [--only reference --no-probes]``; writes
 ``host-blocking-<stamp>-<gpu>.json`` and ``.md``.
 """
 
@@ -221,6 +222,8 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
                 time.sleep(0.05)
 
         return encode_loop
+    if kind.startswith("reference memory"):
+        return _allocation_loop(kind, stop)
     if kind.startswith("pinned"):
         import os
 
@@ -265,7 +268,58 @@ def _background(kind: str, stop: threading.Event) -> Callable[[], None]:
     return write_loop
 
 
-def interference(steps: int, width: int, layers: int, progress: Progress) -> list[dict[str, Any]]:
+ALLOCATION_BLOCK_BYTES = 80 << 20
+"""About one tensor of the 1B model: what the reference store allocates per key."""
+ALLOCATION_ROUND_BYTES = 2 << 30
+
+
+def _allocation_loop(kind: str, stop: threading.Event) -> Callable[[], None]:
+    """Allocate ``ALLOCATION_ROUND_BYTES`` in blocks the way ``kind`` says, free them, again until ``stop``:
+    what the delta reference store's background pass (and a pinned-pool reservation) does beside training."""
+    from asyncckpt._gpu.pinned_pool import allocate_block, free_block
+
+    count = ALLOCATION_ROUND_BYTES // ALLOCATION_BLOCK_BYTES
+    device = torch.device("cuda", torch.cuda.current_device())
+    if "registered only" in kind:
+        faulted = [allocate_block(ALLOCATION_BLOCK_BYTES, device, pin=False) for _ in range(count)]
+
+        def register_loop() -> None:
+            register, unregister = torch.cuda.cudart().cudaHostRegister, torch.cuda.cudart().cudaHostUnregister
+            while not stop.is_set():
+                for block in faulted:
+                    register(block.data.data_ptr(), block.nbytes, 1)
+                for block in faulted:
+                    unregister(block.data.data_ptr())
+
+        return register_loop
+    side = torch.cuda.Stream(device)
+
+    def loop() -> None:
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            while not stop.is_set():
+                if "device" in kind:
+                    held = [torch.empty(ALLOCATION_BLOCK_BYTES, dtype=torch.uint8, device=device) for _ in range(count)]
+                    del held
+                    torch.cuda.empty_cache()  # the next round allocates from the driver again, as a first save does
+                    continue
+                blocks = [allocate_block(ALLOCATION_BLOCK_BYTES, device, pin="not pinned" not in kind)
+                          for _ in range(count)]  # fmt: skip
+                for block in blocks:
+                    free_block(block)
+
+    return loop
+
+
+ALLOCATION_KINDS = [
+    "reference memory: pinned blocks of 80 MiB (mmap, faulted by torch threads, cudaHostRegister)",
+    "reference memory: host blocks of 80 MiB, faulted by torch threads, not pinned",
+    "reference memory: registered only (cudaHostRegister of faulted 80 MiB blocks)",
+    "reference memory: device blocks of 80 MiB (torch.empty on a side stream, then empty_cache)",
+]
+
+
+def interference(steps: int, width: int, layers: int, progress: Progress,
+                 only: Sequence[str] = ()) -> list[dict[str, Any]]:  # fmt: skip
     work = Workload(WorkloadConfig(width=width, layers=layers, context=256, device="cuda"))
     for _ in range(10):
         work.step()
@@ -280,8 +334,11 @@ def interference(steps: int, width: int, layers: int, progress: Progress) -> lis
         "KvikIO compat writes, threads=16, task 64 MiB, 512 MiB device buffers",
         "KvikIO compat writes, threads=1, 512 MiB device buffers",
         "pinned 64 MiB pieces + os.pwrite, one thread",
+        *ALLOCATION_KINDS,
         "none",
     ]
+    if only:
+        kinds = [k for k in kinds if k == "none" or any(word in k for word in only)]
     rows = []
     for kind in kinds:
         stop = threading.Event()
@@ -314,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--only", default="", help="comma-separated words: run only the background activities naming one")
+    p.add_argument("--no-probes", action="store_true", help="skip the blocking probes")
     args = p.parse_args(argv)
     progress = Progress()
     machine = describe_machine()
@@ -321,9 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "machine": machine, "versions": versions(), "args": vars(args)}  # fmt: skip
     name = result_name("host-blocking", machine)
     args.out.mkdir(parents=True, exist_ok=True)
-    out["probes"] = blocking_probes(args.sleep_ms, progress)
+    out["probes"] = [] if args.no_probes else blocking_probes(args.sleep_ms, progress)
     write_json(args.out / f"{name}.json", out)  # kept if a later part runs out of time
-    out["interference"] = interference(args.steps, args.width, args.layers, progress)
+    only = [word for word in args.only.split(",") if word]
+    out["interference"] = interference(args.steps, args.width, args.layers, progress, only)
     lines = [f"# Host blocking and interference — {out['date']}", "",
              f"sleep kernel queued first: {args.sleep_ms} ms", "",
              "| call | sleep queued on | host ms | GIL ticks/ms |", "|---|---|---|---|"]  # fmt: skip
