@@ -80,9 +80,14 @@ def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.d
 
 
 def _room_for_levels(manifest: Manifest) -> bool:
-    """Whether the GPU has room to decode this level while its bases decode (see the module docstring)."""
+    """Whether the GPU has room to decode this level while its bases decode (see the module docstring).
+
+    Room is the driver's free memory plus what this process's caching allocator holds unused: a
+    restore right after training, or after another restore, finds most memory in torch's cache,
+    which ``mem_get_info`` counts as taken although these allocations reuse it first."""
     device = torch.device("cuda", torch.cuda.current_device())
-    return torch.cuda.mem_get_info(device)[0] > CONCURRENT_LEVELS_HEADROOM * manifest.raw_bytes
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached > CONCURRENT_LEVELS_HEADROOM * manifest.raw_bytes
 
 
 def decode_on_device(
