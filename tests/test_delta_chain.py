@@ -216,3 +216,14 @@ def test_a_rank_encoding_against_a_discarded_step_fails_the_save_on_every_rank(t
         assert out["full"] is True and out["loads"] is True, (rank, out)
         assert out["steps"] == [1, out["saved"]], (rank, out)
     assert asyncckpt.verify(root).step in (6, 7)
+
+
+def test_the_distributed_checkpointer_takes_deltas_against_the_save_before(tmp_path: Path) -> None:
+    """Against the chain's full save each rank would pick its own full save, and a step whose ranks
+    refer to different bases cannot commit: refused up front, and 'previous' is the default there."""
+    from asyncckpt.distributed import DistributedCheckpointer
+
+    with pytest.raises(asyncckpt.CheckpointError, match="delta_reference='previous'"):
+        DistributedCheckpointer(tmp_path, rank=0, world_size=1, session="s", delta="on", delta_reference="full")
+    with DistributedCheckpointer(tmp_path, rank=0, world_size=1, session="s", delta="on") as ckpt:
+        assert ckpt.options.delta_reference == "previous"

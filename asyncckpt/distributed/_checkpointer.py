@@ -16,6 +16,7 @@ from typing import Any
 
 from .._checkpointer import AsyncCheckpointer
 from .._handle import SaveHandle
+from ..errors import CheckpointError
 from ..observer import SaveObserver
 from ._group import resolve_rank_info
 from ._loader import load_rank
@@ -46,13 +47,15 @@ class DistributedCheckpointer(AsyncCheckpointer):
             broadcast once from rank 0 here, on the main thread (see :mod:`._group`).
         process_group: the group whose ranks take part (default: the whole job).
         observer, registry, **options: as for :class:`~asyncckpt.AsyncCheckpointer`; metrics are
-            per rank (the exporter listens on ``metrics_port`` + local rank).
+            per rank (the exporter listens on ``metrics_port`` + local rank). ``delta_reference`` is
+            ``"previous"`` here, and ``"full"`` with ``delta`` on is refused (:func:`_delta_reference` says why).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, replicated: bool = False,
                  commit_timeout_seconds: float | None = None, rank: int | None = None,
                  world_size: int | None = None, session: str | None = None, process_group: Any = None,
                  observer: SaveObserver | None = None, registry: Any = None, **options: Any) -> None:  # fmt: skip
+        options["delta_reference"] = _delta_reference(options)
         info = resolve_rank_info(rank, world_size, session, process_group)
         timeout = commit_timeout_seconds
         if timeout is None:
@@ -95,3 +98,22 @@ class DistributedCheckpointer(AsyncCheckpointer):
     def load(self, step: int | str = "latest", map_location: Any = None) -> Any:
         """This rank's part of checkpoint ``step`` (rank 0's for a replicated save). Calling thread."""
         return load_rank(self.directory, self.context.rank, step=step, map_location=map_location)
+
+
+def _delta_reference(options: dict[str, Any]) -> str:
+    """``previous`` unless given; ``full`` with ``delta`` on is refused.
+
+    Against the chain's full save, each rank would decide for itself when a chain starts (the GPU
+    path starts one when the memory for its references has arrived, which differs between ranks),
+    so the ranks' parts of one step could refer to different steps, and every such save would fail
+    at the commit. Against the save before, every rank refers to the last committed step.
+    """
+    given = options.get("delta_reference") or os.environ.get("ASYNCCKPT_DELTA_REFERENCE") or "previous"
+    delta = options.get("delta") or os.environ.get("ASYNCCKPT_DELTA") or "off"
+    if given == "full" and delta != "off":
+        raise CheckpointError(
+            "DistributedCheckpointer takes deltas against the save before only: with delta_reference='full' "
+            "each rank would choose its own full save, and a step whose ranks refer to different ones cannot "
+            "commit. Use delta_reference='previous' (the default here)"
+        )
+    return str(given)
