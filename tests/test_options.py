@@ -15,6 +15,9 @@ def test_environment_overrides_default_and_argument_overrides_environment(monkey
     assert resolve_options().codec == "none"
     assert resolve_options().keep_last is None
     assert resolve_options(max_inflight=2).max_inflight == 2
+    assert resolve_options().delta_reference == "full"
+    monkeypatch.setenv("ASYNCCKPT_DELTA_REFERENCE", "previous")
+    assert resolve_options().delta_reference == "previous"
     monkeypatch.setenv("ASYNCCKPT_MAX_INFLIGHT", "lots")
     with pytest.raises(ValueError, match="ASYNCCKPT_MAX_INFLIGHT='lots' is not an integer"):
         resolve_options()
@@ -28,6 +31,7 @@ def test_environment_overrides_default_and_argument_overrides_environment(monkey
         ({"when_busy": "drop"}, "when_busy must be"),
         ({"codec": "gzip9"}, "codec must be one of"),
         ({"snapshot": "disk"}, "snapshot must be"),
+        ({"delta_reference": "base"}, "delta_reference must be 'full'"),
         ({"metrics_port": 70000}, "metrics_port"),
     ],
 )
