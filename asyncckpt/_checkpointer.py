@@ -197,9 +197,23 @@ class AsyncCheckpointer:
         second per few GB, which a first save would otherwise spend (in ``host`` mode on the
         training thread, in ``fence`` mode while the next optimizer step waits). Call it when no
         save is in flight, e.g. after the first ``optimizer.step()`` has created the moments.
+        With ``delta`` on the GPU path it also allocates the memory for the references, so the
+        first save keeps them and the second is already a delta (without it, the third).
         """
         self._check_usable()
-        return self._backend.stager.preallocate(flatten(state))
+        flat = flatten(state)
+        staging = self._backend.stager.preallocate(flat)
+        references = self._delta.reserve(flat.tensors) if self._delta is not None else None
+        if references is None:
+            return staging
+
+        def join_both() -> None:
+            staging.join()
+            references.join()
+
+        both = threading.Thread(target=join_both, name="asyncckpt-prealloc-all", daemon=True)
+        both.start()
+        return both
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight save is done; raise the first unreported failure."""

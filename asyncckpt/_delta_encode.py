@@ -29,9 +29,12 @@ changed is stored in full.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+
+import torch
 
 from ._codecs import EncodedBlob, Encoder, NoneCodec
 from ._delta_ops import DELTA_OPS, encode_delta
@@ -39,14 +42,20 @@ from ._delta_reference import Base, ReferenceStore
 from ._manifest import Reference
 from ._manifest_digest import unseal
 from ._snapshot import StagedTensor
+from ._tree import TensorLeaf
 from .errors import CorruptCheckpointError
 from .options import MAX_DELTA_FULL_EVERY, CheckpointOptions
 
-__all__ = ["DeltaSave", "DeltaWriter", "MAX_FULL_EVERY", "build_delta_writer"]
+__all__ = ["DeltaSave", "DeltaWriter", "MAX_FULL_EVERY", "build_delta_writer", "reference_name"]
 
 MAX_FULL_EVERY = MAX_DELTA_FULL_EVERY
 
 _identity = NoneCodec()
+
+
+def reference_name(key: str, dtype: torch.dtype) -> str:
+    """The name a tensor's bytes are kept under in a reference store: its key and dtype."""
+    return f"{key}\0{dtype}"
 
 
 class DeltaWriter:
@@ -88,6 +97,12 @@ class DeltaWriter:
         """Free the reference store's memory. Once no save runs any more."""
         self.store.close()
 
+    def reserve(self, leaves: Iterable[TensorLeaf]) -> threading.Thread | None:
+        """Allocate the store's memory for these tensors ahead of the first save (``preallocate``):
+        the thread doing it, or None where the store allocates as it records. Training thread,
+        while no save is in flight."""
+        return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes for leaf in leaves})
+
 
 class DeltaSave:
     """The delta decisions of one save. Worker thread."""
@@ -119,7 +134,7 @@ class DeltaSave:
         another dtype is never used), or None when it may have no reference in this save."""
         if staged.key in self.excluded:
             return None
-        return f"{staged.key}\0{staged.dtype}"
+        return reference_name(staged.key, staged.dtype)
 
     def encode(self, encoder: Encoder, staged: StagedTensor, stable: bool = True) -> EncodedBlob:
         """``staged``'s blob: a delta when one wins, else in full; records its bytes as the next reference."""

@@ -92,6 +92,11 @@ class ReferenceStore(Protocol):
         """Free every byte the store holds (the checkpointer is closing; no save runs)."""
         ...
 
+    def reserve(self, sizes: dict[str, int]) -> threading.Thread | None:
+        """Allocate memory for these names' bytes ahead of a save, on a thread it returns; None
+        where memory is taken as a save records."""
+        ...
+
 
 class HostReferenceStore:
     """A :class:`ReferenceStore` in host memory, at most ``budget_bytes`` of it. Worker thread."""
@@ -186,6 +191,9 @@ class HostReferenceStore:
 
     def close(self) -> None:
         self.invalidate()
+
+    def reserve(self, sizes: dict[str, int]) -> threading.Thread | None:
+        return None  # host memory is taken as a save records, off any fence (the CPU path has none)
 
     def _drop(self, key: str) -> None:
         gone = self._bytes.pop(key, None)

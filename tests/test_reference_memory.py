@@ -212,3 +212,18 @@ def test_a_save_racing_the_background_pass_gets_no_second_block() -> None:
     for step in (3, 4, 5):
         _save(store, step, {"w": _bytes(step, 100)})
     assert (store.host_bytes, store.held_bytes, list(store._spare)) == (100, 100, [])
+
+
+def test_memory_reserved_ahead_lets_the_first_save_keep_its_references() -> None:
+    """What ``AsyncCheckpointer.preallocate`` asks of the store with ``delta`` on: the first save then
+    copies into memory allocated before it, and the second is already a delta."""
+    store = _store(device_budget=150, host_budget=150)
+    thread = store.reserve({"a": 100, "b": 100, "c": 100})  # the third fits neither budget's remainder
+    assert thread is not None
+    thread.join(30)
+    assert (store.device_bytes, store.host_bytes, store.held_bytes) == (100, 100, 0)
+    first = {"a": _bytes(1, 100), "b": _bytes(2, 100), "c": _bytes(3, 100)}
+    _save(store, 1, first)
+    assert store.held_bytes == 200, "the first save kept what was reserved"
+    found = _save(store, 2, first)
+    assert found["c"] is None and all(torch.equal(found[k], first[k]) for k in "ab")  # type: ignore[arg-type]

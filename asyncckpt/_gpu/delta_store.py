@@ -147,6 +147,14 @@ class DeviceReferenceStore(HostReferenceStore):
                     self._retired.append(self._spare.pop(key))
         self._start_preparing()
 
+    def reserve(self, sizes: dict[str, int]) -> threading.Thread | None:
+        """Allocate spare memory for these keys now, in the background (``preallocate``): the first
+        save then keeps its references and the second is already a delta. Returns the thread."""
+        with self._lock:
+            self._wanted.update(sizes)
+        self._start_preparing()
+        return self._preparing
+
     def wait_prepared(self, timeout_seconds: float | None = None) -> bool:
         """Wait for the background allocation started by the last commit; True once none runs."""
         thread = self._preparing

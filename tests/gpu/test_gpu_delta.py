@@ -53,3 +53,25 @@ def test_a_delta_chain_restores_every_step_bit_for_bit(run_dir: Path, snapshot: 
     for step, base_step in base_of.items():
         ops, base = kinds[step]
         assert ops and base is not None and base.step == base_step, kinds
+
+
+def test_preallocate_lets_the_first_save_keep_its_references(run_dir: Path) -> None:
+    """With the reference memory allocated ahead (``preallocate``), save 1 keeps its references and
+    save 2 is already a delta against it; both restore bit for bit."""
+    trainer = Trainer(width=512, layers=2, autocast=True, fused=True)
+    trainer.step()
+    saved = []
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", delta="on", delta_full_every=4) as ckpt:
+        ckpt.preallocate(trainer.state(grads=False)).join(120)
+        for step in (1, 2):
+            trainer.step()
+            state = trainer.state(grads=False)
+            reference = clone_state(state)
+            handle = ckpt.save(step, state)
+            trainer.optimizer.step()
+            saved.append((reference, handle.result(timeout=300)))
+    for reference, result in saved:
+        assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
+    second = read_manifest(saved[1][1].path)
+    assert second.reference is not None and second.reference.step == 1
+    assert {t.delta for t in second.tensors} - {None}, "save 2 is a delta: its references were kept by save 1"
