@@ -197,21 +197,24 @@ class AsyncCheckpointer:
         second per few GB, which a first save would otherwise spend (in ``host`` mode on the
         training thread, in ``fence`` mode while the next optimizer step waits). Call it when no
         save is in flight, e.g. after the first ``optimizer.step()`` has created the moments.
-        With ``delta`` on the GPU path it also allocates the memory for the references, so the
-        first save keeps them and the second is already a delta (without it, the third).
+        With ``delta`` on the GPU path it then allocates the memory for the references (after the
+        staging, so the reference budget sees what staging took): a first save taken after the
+        thread has finished keeps them, and the second is already a delta (without it, the third).
         """
         self._check_usable()
         flat = flatten(state)
         staging = self._backend.stager.preallocate(flat)
-        references = self._delta.reserve(flat.tensors) if self._delta is not None else None
-        if references is None:
+        delta = self._delta
+        if delta is None:
             return staging
 
-        def join_both() -> None:
+        def then_references() -> None:
             staging.join()
-            references.join()
+            references = delta.reserve(flat.tensors)
+            if references is not None:
+                references.join()
 
-        both = threading.Thread(target=join_both, name="asyncckpt-prealloc-all", daemon=True)
+        both = threading.Thread(target=then_references, name="asyncckpt-prealloc-all", daemon=True)
         both.start()
         return both
 

@@ -101,7 +101,10 @@ class DeltaWriter:
         """Allocate the store's memory for these tensors ahead of the first save (``preallocate``):
         the thread doing it, or None where the store allocates as it records. Training thread,
         while no save is in flight."""
-        return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes for leaf in leaves})
+        leaves = list(leaves)
+        counts = Counter(leaf.key for leaf in leaves)  # a key naming two tensors gets no reference (exclude_duplicates)
+        return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes
+                                   for leaf in leaves if counts[leaf.key] == 1})  # fmt: skip
 
 
 class DeltaSave:

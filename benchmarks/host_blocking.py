@@ -290,6 +290,8 @@ def _allocation_loop(kind: str, stop: threading.Event) -> Callable[[], None]:
                     register(block.data.data_ptr(), block.nbytes, 1)
                 for block in faulted:
                     unregister(block.data.data_ptr())
+            for block in faulted:
+                free_block(block)
 
         return register_loop
     side = torch.cuda.Stream(device)
@@ -314,6 +316,7 @@ ALLOCATION_KINDS = [
     "reference memory: pinned blocks of 80 MiB (mmap, faulted by torch threads, cudaHostRegister)",
     "reference memory: host blocks of 80 MiB, faulted by torch threads, not pinned",
     "reference memory: registered only (cudaHostRegister of faulted 80 MiB blocks)",
+    # An upper bound: empty_cache also releases training's cached blocks, which the store never does.
     "reference memory: device blocks of 80 MiB (torch.empty on a side stream, then empty_cache)",
 ]
 

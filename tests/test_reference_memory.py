@@ -227,3 +227,12 @@ def test_memory_reserved_ahead_lets_the_first_save_keep_its_references() -> None
     assert store.held_bytes == 200, "the first save kept what was reserved"
     found = _save(store, 2, first)
     assert found["c"] is None and all(torch.equal(found[k], first[k]) for k in "ab")  # type: ignore[arg-type]
+
+
+def test_reserve_leaves_out_what_the_compressor_never_records() -> None:
+    store = _store(device_budget=1000, host_budget=0)
+    store.min_record_bytes = 64  # the compressor stores smaller tensors raw, with no reference
+    thread = store.reserve({"big": 100, "tiny": 10})
+    assert thread is not None
+    thread.join(30)
+    assert list(store._spare) == ["big"] and store.device_bytes == 100

@@ -15,11 +15,14 @@ from ..errors import CheckpointError
 from ..options import CheckpointOptions
 from .delta_store import DeviceReferenceStore
 from .deps import kvikio, nvcomp, require_cuda
-from .pipeline import DEFAULT_WINDOW_BYTES, DELTA_SCRATCH_FACTOR, GpuEncoder
+from .pipeline import DEFAULT_WINDOW_BYTES, DELTA_SCRATCH_FACTOR, MIN_COMPRESS_BYTES, GpuEncoder
 from .staging import GpuStager
 from .storage import KvikioStorage
 
 log = logging.getLogger("asyncckpt")
+
+NO_RECORDS = 1 << 62
+"""``min_record_bytes`` with ``codec="none"``: nothing is compressed, so nothing is recorded."""
 
 
 def build_gpu_backend(options: CheckpointOptions) -> Backend:
@@ -50,6 +53,9 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
     )
     if encoder.delta is not None:
         stager.forms_per_tensor = DELTA_SCRATCH_FACTOR
+        store = encoder.delta.store
+        if isinstance(store, DeviceReferenceStore):  # references are recorded only for what is compressed
+            store.min_record_bytes = MIN_COMPRESS_BYTES if options.codec != "none" else NO_RECORDS
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot,
                       delta=encoder.delta)  # fmt: skip
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then

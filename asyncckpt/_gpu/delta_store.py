@@ -80,6 +80,8 @@ class DeviceReferenceStore(HostReferenceStore):
         self.device_budget_bytes = device_budget_bytes
         self.stream = stream
         self.pin = device.type == "cuda" if pin is None else pin
+        self.min_record_bytes = 0
+        """The smallest tensor the compressor records a reference for (set by the backend)."""
         self.device_bytes = 0
         """GPU bytes allocated for references (holding one or spare)."""
         self.host_bytes = 0
@@ -151,9 +153,12 @@ class DeviceReferenceStore(HostReferenceStore):
 
     def reserve(self, sizes: dict[str, int]) -> threading.Thread | None:
         """Allocate spare memory for these keys now, in the background (``preallocate``): the first
-        save then keeps its references and the second is already a delta. Returns the thread."""
+        save then keeps its references and the second is already a delta. Returns the thread.
+
+        Keys under ``min_record_bytes`` are left out: the compressor stores them raw and records no
+        reference for them, so their memory would only be freed again after the first save."""
         with self._lock:
-            self._wanted.update(sizes)
+            self._wanted.update({key: n for key, n in sizes.items() if n >= self.min_record_bytes})
         self._start_preparing()
         return self._preparing
 
@@ -185,7 +190,6 @@ class DeviceReferenceStore(HostReferenceStore):
             retired, self._retired = self._retired, []
         if not wanted and not retired:
             return
-        previous = self._preparing
 
         def run() -> None:
             if previous is not None:
@@ -195,8 +199,10 @@ class DeviceReferenceStore(HostReferenceStore):
             for key, nbytes in wanted.items():
                 self._prepare(key, nbytes)
 
-        self._preparing = threading.Thread(target=run, name="asyncckpt-reference-memory", daemon=True)
-        self._preparing.start()
+        with self._lock:  # reserve() (training thread) and commit() (worker) both start passes
+            previous = self._preparing
+            self._preparing = threading.Thread(target=run, name="asyncckpt-reference-memory", daemon=True)
+            self._preparing.start()
 
     def _prepare(self, key: str, nbytes: int) -> None:
         """Background thread: spare memory for ``key``, unless it has memory of that size already."""

@@ -82,11 +82,14 @@ def decode_chain_on_device(checkpoint: Path, manifest: Manifest, target: torch.d
 def _room_for_levels(manifest: Manifest) -> bool:
     """Whether the GPU has room to decode this level while its bases decode (see the module docstring).
 
-    Room is the driver's free memory plus what this process's caching allocator holds unused: a
-    restore right after training, or after another restore, finds most memory in torch's cache,
-    which ``mem_get_info`` counts as taken although these allocations reuse it first."""
+    Room is the driver's free memory plus what this process's caching allocator holds in unused
+    segments: a restore right after training, or after another restore, finds most memory in
+    torch's cache, which ``mem_get_info`` counts as taken although the allocator hands it out (or
+    releases it to the driver) before it fails an allocation."""
     device = torch.device("cuda", torch.cuda.current_device())
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    # Less the unused pieces of partly used segments, which no allocation of a level's size can take.
+    fragments = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - fragments
     return torch.cuda.mem_get_info(device)[0] + cached > CONCURRENT_LEVELS_HEADROOM * manifest.raw_bytes
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,10 @@ class DistributedCheckpointer(AsyncCheckpointer):
         if self.context.rank not in self.context.writers:
             state = {}  # a replica: rank 0 stores the state; this rank only follows the commit
         return super().save(step, state, metadata=metadata, full=full)
+
+    def preallocate(self, state: object) -> threading.Thread:
+        """As :meth:`AsyncCheckpointer.preallocate`; a replica (which stores nothing) allocates nothing."""
+        return super().preallocate(state if self.context.rank in self.context.writers else {})
 
     def load(self, step: int | str = "latest", map_location: Any = None) -> Any:
         """This rank's part of checkpoint ``step`` (rank 0's for a replicated save). Calling thread."""
