@@ -78,6 +78,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", default="autocast,fp32", help="training loops: autocast (BF16) and/or fp32")
     p.add_argument("--chain", type=int, default=3, help="checkpoints in the measured chain (delta_full_every)")
     p.add_argument("--save-every", type=int, default=100, help="training steps between the chain's saves")
+    p.add_argument(
+        "--preallocate",
+        action="store_true",
+        help="preallocate() every checkpointer's staging and reference memory before the first save",
+    )
     p.add_argument("--references", default="full",
                    help="delta_reference policies to save with beside delta off: full and/or previous")  # fmt: skip
     p.add_argument("--scratch", type=Path, default=Path(".bench-scratch/delta"))
@@ -238,9 +243,13 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
     expected: dict[str, Any] = {}
     try:
         # On the GPU path a checkpointer's first save keeps no references (their memory is allocated
-        # after it), so its chain starts at the second save.
+        # after it) unless preallocate() allocated them, so its chain starts at the second save.
+        if args.preallocate:
+            state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
+            for ckpt in ckpts.values():
+                ckpt.preallocate(state).join()
         deferred = any(hasattr(_reference_store(c), "wait_prepared") for c in ckpts.values())
-        saves_count = args.chain + (1 if deferred else 0)
+        saves_count = args.chain + (1 if deferred and not args.preallocate else 0)
         for i in range(saves_count):
             work.train(args.save_every)
             for mode, ckpt in ckpts.items():
