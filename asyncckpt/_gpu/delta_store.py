@@ -26,11 +26,16 @@ checkpointer's first two saves are full and its third is the first delta. (With
 ``delta_reference="full"`` a delta save copies nothing; when memory arrives for keys its full
 save could not keep, :meth:`wants_full_save` makes the next save full, so they get references.)
 :meth:`reserve` (what ``AsyncCheckpointer.preallocate`` calls) allocates ahead of the first save
-instead, so that save keeps its references. The reason: records
-run on the compressor stream while a ``fence`` save holds training, and pinning runs at a few
-GB/s under a driver lock. When the first save pinned its references as it went, it cost training
-4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06,
-``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``). A failed or invalidated save
+instead, so that save keeps its references.
+
+Why: records run on the compressor stream while a ``fence`` save holds training, and pinning runs
+at a few GB/s under a driver lock. When the first save pinned its references as it went, it cost
+training 4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06 00:35Z,
+``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``). Moved to this thread, the
+allocation still slows training while it runs (steps took twice the baseline until 12 GB were
+allocated, ``...-032554-...md``), which ``preallocate`` moves before training; which part of it
+costs (faulting pages in, registering them, ``cudaMalloc``) is what ``python -m
+benchmarks.host_blocking --only reference --no-probes`` measures. A failed or invalidated save
 keeps the memory (as spare, for the same keys), so recovering from it pins nothing.
 
 Streams and threads: :meth:`record` and :meth:`reference` run on the compressor thread (records
