@@ -210,7 +210,7 @@ class AsyncCheckpointer:
 
         def then_references() -> None:
             staging.join()
-            references = delta.reserve(flat.tensors)
+            references = delta.reserve(flat.tensors, self._backend.stager.host_staging_bytes())
             if references is not None:
                 references.join()
 

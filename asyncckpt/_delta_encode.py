@@ -97,10 +97,13 @@ class DeltaWriter:
         """Free the reference store's memory. Once no save runs any more."""
         self.store.close()
 
-    def reserve(self, leaves: Iterable[TensorLeaf]) -> threading.Thread | None:
+    def reserve(self, leaves: Iterable[TensorLeaf], staging_bytes: int = 0) -> threading.Thread | None:
         """Allocate the store's memory for these tensors ahead of the first save (``preallocate``):
-        the thread doing it, or None where the store allocates as it records. Training thread,
-        while no save is in flight."""
+        the thread doing it, or None where the store allocates as it records. ``staging_bytes``:
+        host staging memory already held, which ``auto`` counts against its budget as
+        :meth:`begin` does. Any thread, while no save is in flight."""
+        if self.mode == "auto" and hasattr(self.store, "budget_bytes"):
+            self.store.budget_bytes = max(0, self.budget_bytes - staging_bytes)
         leaves = list(leaves)
         counts = Counter(leaf.key for leaf in leaves)  # a key naming two tensors gets no reference (exclude_duplicates)
         return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes

@@ -21,6 +21,7 @@ from asyncckpt._codecs.zstd import ZstdCodec
 from asyncckpt._delta_encode import DeltaWriter
 from asyncckpt._gpu.delta_store import DeviceReferenceStore
 from asyncckpt._snapshot.base import StagedTensor
+from asyncckpt._tree import TensorLeaf
 
 CPU = torch.device("cpu")
 
@@ -236,3 +237,15 @@ def test_reserve_leaves_out_what_the_compressor_never_records() -> None:
     assert thread is not None
     thread.join(30)
     assert list(store._spare) == ["big"] and store.device_bytes == 100
+
+
+def test_auto_reserves_within_the_host_budget_less_what_staging_holds() -> None:
+    """delta="auto" shares the host budget with staging: references reserved ahead get what the
+    staging already allocated leaves, as a save's references would."""
+    store = _store(device_budget=0, host_budget=300)
+    writer = DeltaWriter(store, "auto", 4, 300)
+    leaves = [TensorLeaf(key, torch.zeros(100, dtype=torch.uint8)) for key in ("a", "b", "c")]
+    thread = writer.reserve(leaves, staging_bytes=150)
+    assert thread is not None
+    thread.join(30)
+    assert store.host_bytes == 100, "150 of 300 bytes are staging's: one 100-byte reference fits beside it"

@@ -388,6 +388,10 @@ class GpuStager:
         thread.start()
         return thread
 
+    def host_staging_bytes(self) -> int:
+        """The raw host arena's bytes plus the pinned blocks for compressed bytes. Any thread."""
+        return self.host.allocated_bytes() + self.pool.allocated_bytes
+
     def close(self) -> None:
         self.arena.close()
         self.host.close()

@@ -102,4 +102,9 @@ class Stager(Protocol):
         so the first save allocates nothing. Any thread; reads only tensor sizes."""
         ...
 
+    def host_staging_bytes(self) -> int:
+        """Host memory the stager holds for staging now (what ``delta="auto"`` counts against its
+        budget). Any thread."""
+        ...
+
     def close(self) -> None: ...

@@ -233,6 +233,9 @@ class HostStager:
         """Host bytes the arena's slots hold (any thread)."""
         return sum(self._slot_bytes.values())
 
+    def host_staging_bytes(self) -> int:
+        return self.allocated_bytes()
+
     @staticmethod
     def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
         return aligned_offsets((t.nbytes for t in tensors), ALIGN_BYTES)
