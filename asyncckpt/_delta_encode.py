@@ -58,6 +58,11 @@ def reference_name(key: str, dtype: torch.dtype) -> str:
     return f"{key}\0{dtype}"
 
 
+def duplicate_keys(keys: Iterable[str]) -> set[str]:
+    """The keys that name more than one tensor (``{"a/b": x, "a": {"b": y}}``): they get no reference."""
+    return {key for key, n in Counter(keys).items() if n > 1}
+
+
 class DeltaWriter:
     """One checkpointer's delta policy and reference store. Worker thread, except :meth:`invalidate`."""
 
@@ -76,8 +81,7 @@ class DeltaWriter:
 
     def begin(self, step: int, *, full: bool = False, staging_bytes: int = 0) -> DeltaSave:
         """Start encoding save ``step``: a full one if asked, if the chain is long or there is no base."""
-        if self.mode == "auto" and hasattr(self.store, "budget_bytes"):
-            self.store.budget_bytes = max(0, self.budget_bytes - staging_bytes)
+        self._share_host_budget(staging_bytes)
         base = self.store.begin(step)
         if self.reference == "full" and base is not None and self.store.wants_full_save():
             base = None  # memory came for keys the full save could not keep: a new full save fills it
@@ -102,12 +106,16 @@ class DeltaWriter:
         the thread doing it, or None where the store allocates as it records. ``staging_bytes``:
         host staging memory already held, which ``auto`` counts against its budget as
         :meth:`begin` does. Any thread, while no save is in flight."""
+        self._share_host_budget(staging_bytes)
+        leaves = list(leaves)
+        duplicates = duplicate_keys(leaf.key for leaf in leaves)
+        return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes
+                                   for leaf in leaves if leaf.key not in duplicates})  # fmt: skip
+
+    def _share_host_budget(self, staging_bytes: int) -> None:
+        """``auto``: the store gets the host budget less the staging memory held beside it."""
         if self.mode == "auto" and hasattr(self.store, "budget_bytes"):
             self.store.budget_bytes = max(0, self.budget_bytes - staging_bytes)
-        leaves = list(leaves)
-        counts = Counter(leaf.key for leaf in leaves)  # a key naming two tensors gets no reference (exclude_duplicates)
-        return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes
-                                   for leaf in leaves if counts[leaf.key] == 1})  # fmt: skip
 
 
 class DeltaSave:
@@ -132,8 +140,7 @@ class DeltaSave:
         """Store in full, and keep no reference for, every key that names more than one tensor in
         this save (``{"a/b": x, "a": {"b": y}}``): a base record is found by its key, so a delta
         against either would be ambiguous to a reader."""
-        counts = Counter(keys)
-        self.excluded = {key for key, n in counts.items() if n > 1}
+        self.excluded = duplicate_keys(keys)
 
     def reference_key(self, staged: StagedTensor) -> str | None:
         """The name ``staged``'s bytes are kept under in the store (its key and dtype: a reference of

@@ -169,17 +169,15 @@ class HostReferenceStore:
             if self._valid_for != step:
                 self._clear()  # invalidated while the save ran
                 return
-            if not self._frozen:
-                # Gone from the state: the next save cannot refer to it. A frozen save keeps every
-                # key: the bytes held are the full save's, which holds that key whatever comes later.
-                for key in set(self._bytes) - self._touched:
-                    self._drop(key)
-                for key in set(self._full_sizes) - self._touched:
-                    del self._full_sizes[key]
             if self._frozen and self._base is not None:
-                # The bytes are still the full save's: the next delta refers to it too, one save further on.
+                # The bytes are still the full save's, which holds every key it held whatever this save
+                # left out: the next delta refers to it too, one save further on.
                 self._base = dataclasses.replace(self._base, depth=self._base.depth + 1)
             else:
+                for key in set(self._bytes) - self._touched:
+                    self._drop(key)  # gone from the state: the next save cannot refer to it
+                for key in set(self._full_sizes) - self._touched:
+                    del self._full_sizes[key]
                 depth = self._base.depth + 1 if has_reference and self._base is not None else 0
                 self._base = Base(step=step, manifest_sha256=manifest_sha256, depth=depth)
             self._valid_for = None

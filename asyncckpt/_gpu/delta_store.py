@@ -49,7 +49,6 @@ store's lock; an out-of-memory error there leaves that key unkept, never a faile
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -115,7 +114,7 @@ class DeviceReferenceStore(HostReferenceStore):
             if self._frozen:  # a delta save against the chain's full save: nothing to copy
                 super().record(key, raw, keep=keep)
                 if keep and key not in self._bytes:
-                    self._want(key, nbytes)  # its memory will start the next chain (wants_full_save)
+                    self._wanted[key] = nbytes  # its memory will start the next chain (wants_full_save)
                 return
             self._touched.add(key)
             held = self._bytes.get(key)
@@ -129,7 +128,7 @@ class DeviceReferenceStore(HostReferenceStore):
                 spare = None
             if spare is None:
                 if keep:
-                    self._want(key, nbytes)
+                    self._wanted[key] = nbytes  # a pass that finds memory already there skips it
                 return
             spare.data.copy_(raw, non_blocking=True)
             self._bytes[key] = spare.data
@@ -139,10 +138,6 @@ class DeviceReferenceStore(HostReferenceStore):
     def wants_full_save(self) -> bool:
         with self._lock:
             return bool(self._spare)
-
-    def _want(self, key: str, nbytes: int) -> None:
-        """Note ``key`` for the next background pass (which skips it if an earlier pass gave it memory). Lock held."""
-        self._wanted[key] = nbytes
 
     # ------------------------------------------------------------------ worker thread
     def commit(self, step: int, manifest_sha256: str, has_reference: bool) -> None:
@@ -241,9 +236,7 @@ class DeviceReferenceStore(HostReferenceStore):
                 self.device_bytes += nbytes  # counted before allocating, outside the lock
         if on_device:
             try:
-                with contextlib.ExitStack() as scope:
-                    if self.stream is not None:
-                        scope.enter_context(torch.cuda.stream(self.stream))
+                with torch.cuda.stream(self.stream):  # None: no stream to switch to (the CPU tests)
                     return _Memory(torch.empty(nbytes, dtype=torch.uint8, device=self.device), None)
             except Exception as exc:  # noqa: BLE001 - out of memory above all: training holds what the budget counted on
                 with self._lock:
