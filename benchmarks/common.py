@@ -155,16 +155,27 @@ def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds
     (and ``settled()``, when given: background work the save started after it was durable).
 
     Returns the handle and what the save cost training: the call's seconds, and the time lost, which
-    is the call plus every step's excess over ``baseline_seconds`` until then.
+    is the call plus every step's excess over ``baseline_seconds`` until then; with ``settled``, also
+    the part of it lost after the checkpoint was durable, and the steps that ran then.
     """
     began = time.perf_counter()
     handle = save()
     call = time.perf_counter() - began
-    steps = []
-    while not handle.done() or (settled is not None and not settled()):
+    steps: list[float] = []
+    durable_after_steps = None
+    while True:
+        if durable_after_steps is None and handle.done():
+            durable_after_steps = len(steps)
+        if durable_after_steps is not None and (settled is None or settled()):
+            break
         steps.append(work.step())
     lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
-    return handle, {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}
+    cost = {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}
+    if settled is not None:
+        after = steps[durable_after_steps:]
+        cost["lost_after_durable_seconds"] = sum(max(0.0, s - baseline_seconds) for s in after)
+        cost["steps_after_durable"] = len(after)
+    return handle, cost
 
 
 def synchronize(device: torch.device) -> None:

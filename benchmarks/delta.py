@@ -203,8 +203,11 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     settled = None if wait is None else lambda: bool(wait(0))
     handle, cost = train_while_saving(work, lambda: ckpt.save(work.steps_done, state), baseline, settled)
     result = handle.result()
+    store = _reference_store(ckpt)
+    held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
-            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes}  # fmt: skip
+            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes,
+            **{f"reference_{name}": value for name, value in held.items()}}  # fmt: skip
 
 
 def restore_read_bytes(directory: Path, step: int) -> int:
@@ -305,7 +308,13 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _cell(row: dict[str, Any]) -> str:
     ratio = row["raw_bytes"] / row["stored_bytes"]
-    return f"{ratio:.3f}x, {fmt_seconds(row.get('lost_seconds'))}, {fmt_seconds(row['durable_seconds'])}"
+    lost = fmt_seconds(row.get("lost_seconds"))
+    if row.get("steps_after_durable"):  # reference memory was still being allocated when it was durable
+        lost += f" ({fmt_seconds(row['lost_after_durable_seconds'])} in {row['steps_after_durable']} steps after)"
+    cell = f"{ratio:.3f}x, {lost}, {fmt_seconds(row['durable_seconds'])}"
+    if "reference_device_bytes" in row:
+        cell += f"; refs {fmt_bytes(row['reference_device_bytes'])} GPU, {fmt_bytes(row['reference_host_bytes'])} host"
+    return cell
 
 
 MODE_TITLES = {"off": "delta off", "full": "delta against the full save", "previous": "delta against the save before"}
@@ -322,7 +331,8 @@ def _chain_lines(chain: dict[str, Any]) -> list[str]:
         + "; ".join(f"{mode} {', '.join(map(str, s))}" for mode, s in steps.items())
         + f": {chain['save_every']} steps apart plus the steps that ran while the earlier saves persisted.",
         "",
-        "Each cell: ratio, training time lost, durable.",
+        "Each cell: ratio, training time lost (of it, the part lost after the checkpoint was durable, while "
+        "reference memory was allocated), durable; on the GPU path, the reference memory held after it.",
         "",
         "| save | " + " | ".join(MODE_TITLES.get(mode, mode) for mode in modes) + " |",
         "|---" * (len(modes) + 1) + "|",
