@@ -170,7 +170,8 @@ def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds
             break
         steps.append(work.step())
     lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
-    cost = {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps)}
+    cost = {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps),
+            "step_ms": [round(s * 1e3, 2) for s in steps]}  # fmt: skip
     if settled is not None:
         after = steps[durable_after_steps:]
         cost["lost_after_durable_seconds"] = sum(max(0.0, s - baseline_seconds) for s in after)

@@ -192,6 +192,18 @@ def _reference_store(ckpt: asyncckpt.AsyncCheckpointer) -> object:
     return ckpt._delta.store if ckpt._delta is not None else None
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+"""torch's caching-allocator counters a save may move: a retry (or a cudaFree) synchronises the
+device, and with it every stream training runs on."""
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTS}
+
+
 def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, baseline: float) -> dict[str, Any]:
     """One save while training goes on: what it stored, when it was durable, and the training time
     it cost (the call plus each step's time over the baseline until the checkpoint was durable and
@@ -201,8 +213,10 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     began = time.perf_counter()
     wait = getattr(_reference_store(ckpt), "wait_prepared", None)  # the GPU path allocates references after a commit
     settled = None if wait is None else lambda: bool(wait(0))
+    before = _allocator_counts(work.device)
     handle, cost = train_while_saving(work, lambda: ckpt.save(work.steps_done, state), baseline, settled)
     result = handle.result()
+    cost["allocator"] = {name: n - before[name] for name, n in _allocator_counts(work.device).items()}
     store = _reference_store(ckpt)
     held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
