@@ -197,6 +197,15 @@ ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", 
 device, and with it every stream training runs on."""
 
 
+def _lone_staging_budget(device: torch.device) -> int | None:
+    """The GPU staging budget a checkpointer created now, alone, would give its first save (None off the GPU)."""
+    if device.type != "cuda":
+        return None
+    from asyncckpt._gpu.budget import default_gpu_budget
+
+    return default_gpu_budget(int(torch.cuda.mem_get_info(device)[0]))
+
+
 def _allocator_counts(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}
@@ -220,7 +229,7 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     store = _reference_store(ckpt)
     held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
-            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes,
+            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes, "snapshot_mode": result.snapshot_mode,
             **{f"reference_{name}": value for name, value in held.items()}}  # fmt: skip
 
 
@@ -253,8 +262,12 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     # keep_last=1: retention keeps the bases the last checkpoint needs, and the disk holds no more.
-    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, keep_last=1, delta="off") if mode == "off" else
-             asyncckpt.AsyncCheckpointer(d, keep_last=1, delta="on", delta_full_every=args.chain, delta_reference=mode)
+    # One GPU staging budget for all, the default a checkpointer alone would get: by default each reads
+    # the memory free at its save, so the second would see the first's arena gone and fence instead,
+    # and the comparison would be of snapshot modes, not of delta.
+    common = {"keep_last": 1, "gpu_staging_budget_bytes": _lone_staging_budget(device)}
+    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, delta="off", **common) if mode == "off" else
+             asyncckpt.AsyncCheckpointer(d, delta="on", delta_full_every=args.chain, delta_reference=mode, **common)
              for mode, d in dirs.items()}  # fmt: skip
     saves: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     expected: dict[str, Any] = {}
@@ -326,6 +339,8 @@ def _cell(row: dict[str, Any]) -> str:
     if row.get("steps_after_durable"):  # reference memory was still being allocated when it was durable
         lost += f" ({fmt_seconds(row['lost_after_durable_seconds'])} in {row['steps_after_durable']} steps after)"
     cell = f"{ratio:.3f}x, {lost}, {fmt_seconds(row['durable_seconds'])}"
+    if row.get("snapshot_mode", "host") != "host":
+        cell += f", {row['snapshot_mode']}"
     if "reference_device_bytes" in row:
         cell += f"; refs {fmt_bytes(row['reference_device_bytes'])} GPU, {fmt_bytes(row['reference_host_bytes'])} host"
     return cell
@@ -346,7 +361,8 @@ def _chain_lines(chain: dict[str, Any]) -> list[str]:
         + f": {chain['save_every']} steps apart plus the steps that ran while the earlier saves persisted.",
         "",
         "Each cell: ratio, training time lost (of it, the part lost after the checkpoint was durable, while "
-        "reference memory was allocated), durable; on the GPU path, the reference memory held after it.",
+        "reference memory was allocated), durable; on the GPU path, the snapshot mode and the reference memory "
+        "held after it.",
         "",
         "| save | " + " | ".join(MODE_TITLES.get(mode, mode) for mode in modes) + " |",
         "|---" * (len(modes) + 1) + "|",
