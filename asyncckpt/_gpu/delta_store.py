@@ -31,11 +31,13 @@ instead, so that save keeps its references.
 Why: records run on the compressor stream while a ``fence`` save holds training, and pinning runs
 at a few GB/s under a driver lock. When the first save pinned its references as it went, it cost
 training 4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06 00:35Z,
-``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``). Moved to this thread, the
-allocation still slows training while it runs (steps took twice the baseline until 12 GB were
-allocated, ``...-032554-...md``), which ``preallocate`` moves before training; which part of it
-costs (faulting pages in, registering them, ``cudaMalloc``) is what ``python -m
-benchmarks.host_blocking --only reference --no-probes`` measures. A failed or invalidated save
+``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``; that checkpointer, created second in the
+benchmark, was fenced for want of budget, a share of the cost the fence's own). On this thread it costs training
+little: steps of 39.2 ms took 41.4 ms while 80 MiB blocks were pinned and freed in a loop beside them
+(``python -m benchmarks.host_blocking --only reference --no-probes``, H100, 2026-12-06), and a
+delta chain's saves lost what saves without delta lost (``...-051718-...md``). GPU references come
+from torch's caching allocator and are never given back with ``empty_cache``: a ``cudaFree``
+synchronises the device, and with it training (364 ms steps in the same benchmark). A failed or invalidated save
 keeps the memory (as spare, for the same keys), so recovering from it pins nothing.
 
 Streams and threads: :meth:`record` and :meth:`reference` run on the compressor thread (records
