@@ -14,13 +14,14 @@ raw bytes per second, device synchronised). ``--precisions autocast,fp32`` runs 
 and an FP32 training loop (autocast only exists on the GPU here).
 
 **Checkpoints**: the same training run saved ``--save-every`` steps apart by checkpointers side by
-side: ``delta="off"``, and ``delta="on"`` with each ``--references`` policy (``delta_reference``:
-``full``, deltas against the chain's full save, the default; ``previous``, against the save before),
-``delta_full_every`` = ``--chain``, until the last save is the deepest of its chain: ``--chain``
-saves, one more on the GPU path, where a checkpointer's first save keeps no references (their
-memory is allocated after it). Per save the ratio, the training time lost and the seconds until
-durable; then each checkpointer's last checkpoint restored and checked bit for bit against the
-state saved, with the bytes that restore reads.
+side (each with the GPU staging budget a checkpointer alone would get, so none is fenced for want of
+another's staging memory): ``delta="off"``, and ``delta="on"`` with each ``--references`` policy
+(``delta_reference``: ``full``, deltas against the chain's full save, the default; ``previous``,
+against the save before), ``delta_full_every`` = ``--chain``, until the last save is the deepest of
+its chain: ``--chain`` saves, one more on the GPU path, where a checkpointer's first save keeps no
+references (their memory is allocated after it). Per save the ratio, the training time lost and the
+seconds until durable; then each checkpointer's last checkpoint restored and checked bit for bit
+against the state saved, with the bytes that restore reads.
 
     python -m benchmarks.delta --tiny                  # CPU smoke test (CI)
     python -m benchmarks.delta --out benchmarks/results  # on the H200: 1B parameters
@@ -229,7 +230,8 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     store = _reference_store(ckpt)
     held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
-            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes, "snapshot_mode": result.snapshot_mode,
+            "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes,
+            **({"snapshot_mode": result.snapshot_mode} if work.device.type == "cuda" else {}),
             **{f"reference_{name}": value for name, value in held.items()}}  # fmt: skip
 
 
@@ -339,7 +341,7 @@ def _cell(row: dict[str, Any]) -> str:
     if row.get("steps_after_durable"):  # reference memory was still being allocated when it was durable
         lost += f" ({fmt_seconds(row['lost_after_durable_seconds'])} in {row['steps_after_durable']} steps after)"
     cell = f"{ratio:.3f}x, {lost}, {fmt_seconds(row['durable_seconds'])}"
-    if row.get("snapshot_mode", "host") != "host":
+    if "snapshot_mode" in row:  # the GPU path's: the CPU path always stages on the host
         cell += f", {row['snapshot_mode']}"
     if "reference_device_bytes" in row:
         cell += f"; refs {fmt_bytes(row['reference_device_bytes'])} GPU, {fmt_bytes(row['reference_host_bytes'])} host"

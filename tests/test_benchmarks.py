@@ -294,9 +294,42 @@ def test_delta_tiny(tmp_path: Path) -> None:
         assert on[-1]["stored_bytes"] < off[-1]["stored_bytes"]
         # The deepest delta's restore reads its bases' blobs too, never more than the chain holds.
         assert on[-1]["stored_bytes"] < restores[mode]["read_bytes"] <= sum(s["stored_bytes"] for s in on)
+    for row in (row for rows in chain["saves"].values() for row in rows):
+        assert len(row["step_ms"]) == row["steps_while_persisting"]
+        assert row["lost_seconds"] >= row["call_seconds"]
+        assert "snapshot_mode" not in row, "the CPU path always stages on the host: no mode to report"
     # Against the full save, the last checkpoint's restore reads it and the full save only.
     full = chain["saves"]["full"]
     assert restores["full"]["read_bytes"] <= full[-1]["stored_bytes"] + full[0]["stored_bytes"]
     assert restores["full"]["read_bytes"] < restores["previous"]["read_bytes"]
     assert "Restore of each checkpointer's last checkpoint" in proc.stdout
     assert not list((tmp_path / "s").rglob("step-*")), "checkpoints are deleted after measuring"
+
+
+def test_train_while_saving_splits_off_the_steps_after_durable(tmp_path: Path) -> None:
+    """A real save on the CPU path; ``settled`` turns true on its third call, and it is first called once
+    the save is durable, so exactly two steps run after durable, and their excess is part of the loss."""
+    import asyncckpt
+    from benchmarks.common import Workload, WorkloadConfig, train_while_saving
+
+    work = Workload(WorkloadConfig(width=32, layers=1, context=16, batch=2, device="cpu"))
+    handles: list[asyncckpt.SaveHandle] = []
+    durable_at_each_call: list[bool] = []
+
+    def save() -> asyncckpt.SaveHandle:
+        handles.append(ckpt.save(1, {"model": work.model.state_dict()}))
+        return handles[0]
+
+    def settled() -> bool:
+        durable_at_each_call.append(handles[0].done())
+        return len(durable_at_each_call) == 3
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, codec="none") as ckpt:
+        handle, cost = train_while_saving(work, save, baseline_seconds=0.0, settled=settled)
+        handle.result()
+    assert all(durable_at_each_call), "settled() is asked only once the checkpoint is durable"
+    assert cost["steps_after_durable"] == 2
+    assert len(cost["step_ms"]) == cost["steps_while_persisting"] >= 2
+    after = sum(cost["step_ms"][-2:]) / 1e3  # baseline 0: every step's whole time is excess
+    assert cost["lost_after_durable_seconds"] == pytest.approx(after, abs=1e-4)
+    assert cost["lost_seconds"] >= cost["call_seconds"] + cost["lost_after_durable_seconds"] - 1e-4
