@@ -267,9 +267,11 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
     # One GPU staging budget for all, the default a checkpointer alone would get: by default each reads
     # the memory free at its save, so the second would see the first's arena gone and fence instead,
     # and the comparison would be of snapshot modes, not of delta.
-    common = {"keep_last": 1, "gpu_staging_budget_bytes": _lone_staging_budget(device)}
-    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, delta="off", **common) if mode == "off" else
-             asyncckpt.AsyncCheckpointer(d, delta="on", delta_full_every=args.chain, delta_reference=mode, **common)
+    budget = _lone_staging_budget(device)
+    ckpts = {mode: asyncckpt.AsyncCheckpointer(d, keep_last=1, gpu_staging_budget_bytes=budget, delta="off")
+             if mode == "off" else
+             asyncckpt.AsyncCheckpointer(d, keep_last=1, gpu_staging_budget_bytes=budget, delta="on",
+                                         delta_full_every=args.chain, delta_reference=mode)
              for mode, d in dirs.items()}  # fmt: skip
     saves: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     expected: dict[str, Any] = {}
