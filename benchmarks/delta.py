@@ -266,7 +266,8 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
     # keep_last=1: retention keeps the bases the last checkpoint needs, and the disk holds no more.
     # One GPU staging budget for all, the default a checkpointer alone would get: by default each reads
     # the memory free at its save, so the second would see the first's arena gone and fence instead,
-    # and the comparison would be of snapshot modes, not of delta.
+    # and the comparison would be of snapshot modes, not of delta. The same figure bounds the delta
+    # references' GPU memory: read now, before any arena, it is more than a default read later would give.
     budget = _lone_staging_budget(device)
     ckpts = {mode: asyncckpt.AsyncCheckpointer(d, keep_last=1, gpu_staging_budget_bytes=budget, delta="off")
              if mode == "off" else
@@ -346,7 +347,8 @@ def _cell(row: dict[str, Any]) -> str:
     if "snapshot_mode" in row:  # the GPU path's: the CPU path always stages on the host
         cell += f", {row['snapshot_mode']}"
     if "reference_device_bytes" in row:
-        cell += f"; refs {fmt_bytes(row['reference_device_bytes'])} GPU, {fmt_bytes(row['reference_host_bytes'])} host"
+        on_gpu, on_host = row["reference_device_bytes"], row.get("reference_host_bytes", 0)
+        cell += f"; refs {fmt_bytes(on_gpu)} GPU, {fmt_bytes(on_host)} host"
     return cell
 
 

@@ -32,8 +32,9 @@ Why: records run on the compressor stream while a ``fence`` save holds training,
 at a few GB/s under a driver lock. When the first save pinned its references as it went, it cost
 training 4.28 s where the same save without delta cost 0.33 s (H100, 2026-12-06 00:35Z,
 ``benchmarks/results/delta-20261206-003507-h10080gbhbm3.md``; that checkpointer, created second in the
-benchmark, was fenced for want of budget, a share of the cost the fence's own). On this thread it costs training
-little: steps of 39.2 ms took 41.4 ms while 80 MiB blocks were pinned and freed in a loop beside them
+benchmark, was probably also fenced for want of budget, as the later runs that record the mode show).
+On this thread it costs training little: steps of 39.2 ms took 41.4 ms while 80 MiB blocks were pinned
+and freed in a loop beside them, and 41.7 ms alone at the end of the same run
 (``python -m benchmarks.host_blocking --only reference --no-probes``, H100, 2026-12-06), and a
 delta chain's saves lost what saves without delta lost (``...-051718-...md``). GPU references come
 from torch's caching allocator and are never given back with ``empty_cache``: a ``cudaFree``
