@@ -169,12 +169,15 @@ def train_while_saving(work: Workload, save: Callable[[], Any], baseline_seconds
         if durable_after_steps is not None and (settled is None or settled()):
             break
         steps.append(work.step())
-    lost = call + sum(max(0.0, s - baseline_seconds) for s in steps)
-    cost = {"call_seconds": call, "lost_seconds": lost, "steps_while_persisting": len(steps),
+
+    def excess(seconds: list[float]) -> float:
+        return sum(max(0.0, s - baseline_seconds) for s in seconds)
+
+    cost = {"call_seconds": call, "lost_seconds": call + excess(steps), "steps_while_persisting": len(steps),
             "step_ms": [round(s * 1e3, 2) for s in steps]}  # fmt: skip
     if settled is not None:
         after = steps[durable_after_steps:]
-        cost["lost_after_durable_seconds"] = sum(max(0.0, s - baseline_seconds) for s in after)
+        cost["lost_after_durable_seconds"] = excess(after)
         cost["steps_after_durable"] = len(after)
     return handle, cost
 

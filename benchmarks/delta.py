@@ -221,13 +221,13 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
     synchronize(work.device)
     began = time.perf_counter()
-    wait = getattr(_reference_store(ckpt), "wait_prepared", None)  # the GPU path allocates references after a commit
+    store = _reference_store(ckpt)
+    wait = getattr(store, "wait_prepared", None)  # the GPU path allocates references after a commit
     settled = None if wait is None else lambda: bool(wait(0))
     before = _allocator_counts(work.device)
     handle, cost = train_while_saving(work, lambda: ckpt.save(work.steps_done, state), baseline, settled)
     result = handle.result()
     cost["allocator"] = {name: n - before[name] for name, n in _allocator_counts(work.device).items()}
-    store = _reference_store(ckpt)
     held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
             "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes,
