@@ -64,6 +64,7 @@ from .common import (
     write_report,
 )
 from .compression import library_encoders, plane_entropy
+from .methods import reference_store
 
 CLASSES = ("weights", "weights_bf16", "exp_avg", "exp_avg_sq")
 """Tensor classes measured; the whole state is FP32 weights + both moments (what a checkpoint holds)."""
@@ -189,10 +190,6 @@ def _timed_load(directory: Path, step: int, device: torch.device) -> tuple[Any, 
     return loaded, time.perf_counter() - began
 
 
-def _reference_store(ckpt: asyncckpt.AsyncCheckpointer) -> object:
-    return ckpt._delta.store if ckpt._delta is not None else None
-
-
 ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 """torch's caching-allocator counters a save may move: a retry (or a cudaFree) synchronises the
 device, and with it every stream training runs on."""
@@ -221,7 +218,7 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
     synchronize(work.device)
     began = time.perf_counter()
-    store = _reference_store(ckpt)
+    store = reference_store(ckpt)
     wait = getattr(store, "wait_prepared", None)  # the GPU path allocates references after a commit
     settled = None if wait is None else lambda: bool(wait(0))
     before = _allocator_counts(work.device)
@@ -283,7 +280,7 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
             state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
             for ckpt in ckpts.values():
                 ckpt.preallocate(state).join()
-        deferred = any(hasattr(_reference_store(c), "wait_prepared") for c in ckpts.values())
+        deferred = any(hasattr(reference_store(c), "wait_prepared") for c in ckpts.values())
         saves_count = args.chain + (1 if deferred and not args.preallocate else 0)
         for i in range(saves_count):
             work.train(args.save_every)

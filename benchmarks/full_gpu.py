@@ -13,9 +13,15 @@ Per save it reports:
 * durable seconds, stored bytes, and the disk's own write bandwidth measured in the same run;
 * peak extra GPU memory (driver-reported, sampled every 20 ms: nvCOMP's allocations count) and
   peak extra host RSS (pinned staging included) over the memory in use before the save;
-* for asyncckpt, the snapshot mode that ran and why.
+* for asyncckpt, the snapshot mode that ran and why;
+* for ``asyncckpt:...:delta`` methods, the stored ratio and where the delta references are held
+  (GPU or pinned host bytes); their training time lost also counts the steps that ran until the
+  reference memory the save asked for was allocated.
 
-Checkpoints are deleted after each save (the H200's disk holds one 34 GB checkpoint at a time).
+A method name ending ``+preallocate`` calls ``preallocate(state)`` and waits for it before its first save.
+Checkpoints are deleted after each save (the H200's disk holds one 34 GB checkpoint at a time), except
+a delta method's, which retention (``keep_last=1``) prunes: the last one's base must stay; its
+directory is deleted when the method is done.
 Progress goes to stderr; the report to ``--out`` as ``full_gpu-<stamp>-<gpu>.json`` and ``.md``.
 ``--tiny`` is the CPU smoke test. ``--chart JSON`` draws the chart of an existing report (where
 matplotlib is installed).
@@ -81,6 +87,11 @@ def fill_gpu(device: torch.device, leave_bytes: int) -> torch.Tensor | None:
     return torch.empty(take, dtype=torch.uint8, device=device) if take > 0 else None
 
 
+REPORTED_DETAILS = ("snapshot_mode", "snapshot_reason", "io_mode", "gate_seconds", "spilled_bytes", "compress_notes",
+                    "raw_bytes", "reference_device_bytes", "reference_host_bytes")  # fmt: skip
+"""What a row keeps of an asyncckpt save's details."""
+
+
 def checkpoint_state(work: Workload) -> dict[str, Any]:
     return {"model": work.model.state_dict(), "optim": work.optimizer.state_dict(), "step": work.steps_done}
 
@@ -91,7 +102,8 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     if work.device.type == "cuda":
         torch.cuda.synchronize(work.device)
     gpu_before, host_before = sampler.reset()
-    pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline)
+    settled = method.settled() if isinstance(method, Asyncckpt) else None
+    pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline, settled)
     finished = pending.finish()
     gpu_peak, host_peak = sampler.peaks()
     row = {
@@ -101,13 +113,10 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
         "extra_host_bytes": max(0, host_peak - host_before),
         "host_rss_before_bytes": host_before,
-        **{
-            k: v
-            for k, v in finished.details.items()
-            if k in ("snapshot_mode", "snapshot_reason", "io_mode", "gate_seconds", "spilled_bytes", "compress_notes")
-        },
+        **{k: v for k, v in finished.details.items() if k in REPORTED_DETAILS},
     }
-    remove(finished.path)
+    if not (isinstance(method, Asyncckpt) and method.delta):  # a delta chain's base must stay until the next full
+        remove(finished.path)
     return row
 
 
@@ -116,7 +125,7 @@ def summary(row: dict[str, Any]) -> str:
         f"call {fmt_seconds(row['call_seconds'])}, fence held {fmt_seconds(row.get('gate_seconds'))}, "
         f"lost {fmt_seconds(row['lost_seconds'])}, durable {fmt_seconds(row['durable_seconds'])}, "
         f"extra GPU {fmt_bytes(row['extra_gpu_bytes'])}, host {fmt_bytes(row['extra_host_bytes'])}, "
-        f"mode {row.get('snapshot_mode', '-')}"
+        f"mode {row.get('snapshot_mode', '-')}{references_note(row)}"
     )
 
 
@@ -162,6 +171,8 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 progress.say(f"{width}x{layers} {name} save {k + 1}: {row.get('error') or summary(row)}")
         finally:
             method.close()
+            if isinstance(method, Asyncckpt) and method.delta:
+                remove(method.directory)
             release_memory(device)
     sampler.close()
     del filler
@@ -177,6 +188,20 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
     del work
     release_memory(device)
     return result
+
+
+def stored_cell(row: dict[str, Any]) -> str:
+    """Stored bytes, with the ratio where the checkpointer reported the raw bytes."""
+    ratio = f" ({row['raw_bytes'] / row['stored_bytes']:.3f}x)" if row.get("raw_bytes") and row["stored_bytes"] else ""
+    return fmt_bytes(row["stored_bytes"]) + ratio
+
+
+def references_note(row: dict[str, Any]) -> str:
+    """Where a delta method's references were held after the save ('' with delta off)."""
+    if "reference_device_bytes" not in row:
+        return ""
+    on_gpu, on_host = row["reference_device_bytes"], row.get("reference_host_bytes", 0)
+    return f"; refs {fmt_bytes(on_gpu)} GPU, {fmt_bytes(on_host)} host"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -206,9 +231,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['method']} | {r['save']} | {fmt_seconds(r['call_seconds'])} "
                 f"| {fmt_seconds(r.get('gate_seconds'))} | {fmt_seconds(r['lost_seconds'])} "
-                f"| {fmt_seconds(r['durable_seconds'])} | {fmt_bytes(r['stored_bytes'])} "
+                f"| {fmt_seconds(r['durable_seconds'])} | {stored_cell(r)} "
                 f"| {fmt_bytes(r['extra_gpu_bytes'])} | {fmt_bytes(r['extra_host_bytes'])} "
-                f"| {r.get('snapshot_mode', '-')} |"
+                f"| {r.get('snapshot_mode', '-')}{references_note(r)} |"
             )
         reasons = {r.get("snapshot_reason") for r in size["rows"] if r.get("snapshot_reason")}
         lines += ["", *(f"- mode chosen: {why}" for why in sorted(reasons)), ""]
@@ -248,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.sizes, args.gpu_free_gb = "64x2", 0.0
         if not torch.cuda.is_available():
-            args.methods = "asyncckpt:host:auto,dcp.async_save"
+            args.methods = "asyncckpt:host:auto,asyncckpt:host:auto:delta,dcp.async_save"
     args.scratch.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     disk = storage_pass(args.scratch, (64 << 20) if args.tiny else (4 << 30))["write_bytes_per_second"]

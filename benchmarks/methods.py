@@ -14,7 +14,9 @@ Method names (``--methods``):
 * ``dcp.async_save+zstd`` — the same, writing through DCP's ``ZStandard`` stream extension;
 * ``dcp.async_save+pinned`` — with ``DefaultStager(use_pinned_memory=True)``, kept across saves;
 * ``asyncckpt:<snapshot>:<codec>`` — :class:`asyncckpt.AsyncCheckpointer` with that snapshot
-  mode (``host``/``device``/``fence``/``auto``) and codec (``auto``/``zstd``/``none``/``ans``/...).
+  mode (``host``/``device``/``fence``/``auto``) and codec (``auto``/``zstd``/``none``/``ans``/...);
+  ``asyncckpt:<snapshot>:<codec>:delta`` — the same with ``delta="on"`` (incremental checkpoints:
+  the first saves are full, later ones deltas against the chain's full save).
 
 DCP needs a process group even in one process; :func:`ensure_process_group` starts a 1-rank
 ``gloo`` group on a ``FileStore`` (DCP's collectives exchange only plans and metadata, which
@@ -201,15 +203,21 @@ class DcpAsyncSave(Method):
             self._stager = None
 
 
+def reference_store(checkpointer: Any) -> object:
+    """The delta reference store of an :class:`~asyncckpt.AsyncCheckpointer` (None with delta off)."""
+    delta = getattr(checkpointer, "_delta", None)
+    return None if delta is None else delta.store
+
+
 class Asyncckpt(Method):
     """asyncckpt's :class:`~asyncckpt.AsyncCheckpointer` with one snapshot mode and codec."""
 
     kind = "async"
 
-    def __init__(self, snapshot: str, codec: str) -> None:
-        self.snapshot, self.codec = snapshot, codec
-        self.name = f"asyncckpt:{snapshot}:{codec}"
-        self.label = f"asyncckpt {snapshot} snapshot, {codec} codec"
+    def __init__(self, snapshot: str, codec: str, delta: bool = False) -> None:
+        self.snapshot, self.codec, self.delta = snapshot, codec, delta
+        self.name = f"asyncckpt:{snapshot}:{codec}" + (":delta" if delta else "")
+        self.label = f"asyncckpt {snapshot} snapshot, {codec} codec" + (", delta on" if delta else "")
         self._checkpointer: Any = None
 
     @property
@@ -222,11 +230,19 @@ class Asyncckpt(Method):
 
         super().open(scratch)
         # keep_last=1 and max_inflight=1: what a job saving every 30 minutes would configure.
-        self._checkpointer = AsyncCheckpointer(self.directory, snapshot=self.snapshot, codec=self.codec,
-                                               keep_last=1, max_inflight=1)  # fmt: skip
+        # With delta on, retention also keeps the full save the last checkpoint was taken against.
+        self._checkpointer = AsyncCheckpointer(self.directory, snapshot=self.snapshot, codec=self.codec, keep_last=1,
+                                               max_inflight=1, delta="on" if self.delta else "off")  # fmt: skip
+
+    def settled(self) -> Callable[[], bool] | None:
+        """With delta on the GPU path: whether the reference memory the last save asked for is allocated
+        (a background thread allocates it after the commit, while training runs). None otherwise."""
+        wait = getattr(reference_store(self._checkpointer), "wait_prepared", None)
+        return None if wait is None else lambda: bool(wait(0))
 
     def save(self, step: int, state: dict[str, Any]) -> Pending:
         handle = self._checkpointer.save(step, state)
+        store = reference_store(self._checkpointer)
 
         def finish() -> Finished:
             result = handle.result()
@@ -234,6 +250,9 @@ class Asyncckpt(Method):
                        "snapshot_mode": result.snapshot_mode, "snapshot_reason": result.snapshot_reason,
                        "io_mode": result.io_mode, "codecs": dict(result.codecs),
                        "stage_seconds": dict(result.stage_seconds)}  # fmt: skip
+            details["stored_bytes"], details["raw_bytes"] = result.stored_bytes, result.raw_bytes
+            details.update({f"reference_{name}": int(getattr(store, name))
+                            for name in ("device_bytes", "host_bytes") if hasattr(store, name)})  # fmt: skip
             history = getattr(self._checkpointer._backend.encoder, "history", None)  # the GPU compressor's
             if history:
                 stats = history[-1]
@@ -260,9 +279,9 @@ def build_method(name: str) -> Method:
         return DcpAsyncSave(variant)
     if name.startswith("asyncckpt:"):
         parts = name.split(":")
-        if len(parts) != 3:
-            raise ValueError(f"asyncckpt methods are asyncckpt:<snapshot>:<codec>, got {name!r}")
-        return Asyncckpt(parts[1], parts[2])
+        if len(parts) not in (3, 4) or parts[3:] not in ([], ["delta"]):
+            raise ValueError(f"asyncckpt methods are asyncckpt:<snapshot>:<codec>[:delta], got {name!r}")
+        return Asyncckpt(parts[1], parts[2], delta=len(parts) == 4)
     raise ValueError(f"unknown method {name!r}; see --help")
 
 
