@@ -19,9 +19,10 @@ Per save it reports:
   reference memory the save asked for was allocated.
 
 A method name ending ``+preallocate`` calls ``preallocate(state)`` and waits for it before its first save.
-Checkpoints are deleted after each save (the H200's disk holds one 34 GB checkpoint at a time), except
-a delta method's, which retention (``keep_last=1``) prunes: the last one's base must stay; its
-directory is deleted when the method is done.
+Checkpoints are deleted after each save (a 64 GB disk holds two 28 GB checkpoints at most), except
+a delta method's full saves: the next saves are deltas against them (``delta_reference="full"``),
+so the disk holds the base and one delta; retention (``keep_last=1``) deletes a full save once a
+newer full save commits, and the method's directory is deleted when it is done.
 Progress goes to stderr; the report to ``--out`` as ``full_gpu-<stamp>-<gpu>.json`` and ``.md``.
 ``--tiny`` is the CPU smoke test. ``--chart JSON`` draws the chart of an existing report (where
 matplotlib is installed).
@@ -33,11 +34,13 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncckpt._manifest import read_manifest
 from benchmarks.common import (
     BarProgress,
     MemorySampler,
@@ -115,8 +118,8 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "host_rss_before_bytes": host_before,
         **{k: v for k, v in finished.details.items() if k in REPORTED_DETAILS},
     }
-    if not (isinstance(method, Asyncckpt) and method.delta):  # a delta chain's base must stay until the next full
-        remove(finished.path)
+    if not (isinstance(method, Asyncckpt) and method.delta) or read_manifest(finished.path).reference is not None:
+        remove(finished.path)  # a full save of a delta chain stays: the next saves are deltas against it
     return row
 
 
@@ -129,7 +132,9 @@ def summary(row: dict[str, Any]) -> str:
     )
 
 
-def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progress) -> dict[str, Any]:
+def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progress,
+             measured: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
+    """Every method's saves at one model size; ``measured(result so far)`` after each method."""
     config = WorkloadConfig(width=width, layers=layers, context=64 if args.tiny else 128, batch=4 if args.tiny else 8)
     work = Workload(config)
     device = work.device
@@ -144,6 +149,9 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
     progress.say(f"baseline step {fmt_seconds(baseline)}; GPU free {fmt_bytes(free_after_fill)}")
     sampler = MemorySampler(device)
     rows: list[dict[str, Any]] = []
+    result = {"width": width, "layers": layers, "parameters": work.parameters, "state_bytes": state_bytes,
+              "baseline_step_seconds": baseline, "gpu_free_after_fill_bytes": free_after_fill,
+              "rows": rows}  # fmt: skip
     step = 0
     names = args.methods.split(",") + (["asyncckpt:auto:auto+preallocate"] if args.preallocate else [])
     for name in names:
@@ -170,21 +178,16 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                     progress.advance()
                 progress.say(f"{width}x{layers} {name} save {k + 1}: {row.get('error') or summary(row)}")
         finally:
-            method.close()
+            try:
+                method.close()
+            except Exception as exc:  # noqa: BLE001 - a failed save is re-raised at close; its row has it already
+                progress.say(f"{width}x{layers} {name}: close raised {type(exc).__name__}: {exc}"[:400])
             if isinstance(method, Asyncckpt) and method.delta:
                 remove(method.directory)
             release_memory(device)
+            measured(result)
     sampler.close()
     del filler
-    result = {
-        "width": width,
-        "layers": layers,
-        "parameters": work.parameters,
-        "state_bytes": state_bytes,
-        "baseline_step_seconds": baseline,
-        "gpu_free_after_fill_bytes": free_after_fill,
-        "rows": rows,
-    }
     del work
     release_memory(device)
     return result
@@ -291,8 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     progress.start_bar("saves measured", per_size * len(args.sizes.split(",")), unit="saves")
     for size in args.sizes.split(","):
         width, layers = (int(x) for x in size.split("x"))
-        report["sizes"].append(run_size(args, width, layers, progress))
-        write_report(args.out, name, report, markdown(report))  # after every size: a time limit keeps what ran
+        done = list(report["sizes"])
+
+        def measured(partial: dict[str, Any], done: list[dict[str, Any]] = done) -> None:
+            report["sizes"] = [*done, partial]  # after every method: a time limit keeps what ran
+            write_report(args.out, name, report, markdown(report))
+
+        run_size(args, width, layers, progress, measured)
     progress.close_bar()
     print(markdown(report))
     try:

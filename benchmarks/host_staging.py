@@ -8,6 +8,8 @@ and pinning it there (fault the pages in, then ``cudaHostRegister``) held the fe
 
 * ``pin`` phases: ``mmap`` + fault-in (``zero_`` on torch's intra-op threads), then
   ``cudaHostRegister`` of the populated pages, timed apart;
+* ``fault in``: the fault-in alone, by one ``mmap(MAP_POPULATE)`` and by N threads each
+  ``madvise(MADV_POPULATE_WRITE)``-ing a slice (how fast can fresh memory be made present?);
 * ``pin xN``: the same bytes as N blocks pinned by N threads at once (does registration scale?);
 * ``bounce``: device-to-host copies into a small pinned ring (two ``--chunk-mib`` slots, the second
   filling while the first is copied out), each slot copied by the CPU into plain ``mmap`` memory
@@ -22,7 +24,10 @@ on the CPU. Writes ``host-staging-<stamp>-<gpu>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import mmap
+import os
 import sys
 import threading
 import time
@@ -57,6 +62,53 @@ def pin_phases(nbytes: int, device: torch.device | None) -> dict[str, float]:
                                                                             HOST_REGISTER_PORTABLE))  # fmt: skip
             torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
     return {"fault_seconds": fault, "register_seconds": register}
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault a range in, writable, in one call (no per-page trap)."""
+
+
+def populate_parallel(nbytes: int, threads: int) -> float:
+    """Seconds for ``threads`` threads to fault in one slice each of a fresh ``nbytes`` mapping with
+    ``madvise(MADV_POPULATE_WRITE)`` (through ctypes, which lets go of the GIL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mapping = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    step = -(-nbytes // threads // mmap.PAGESIZE) * mmap.PAGESIZE
+    errors: list[int] = []
+
+    def one(offset: int) -> None:
+        if libc.madvise(base + offset, min(step, nbytes - offset), MADV_POPULATE_WRITE) != 0:
+            errors.append(ctypes.get_errno())
+
+    def run() -> None:
+        workers = [threading.Thread(target=one, args=(o,)) for o in range(0, nbytes, step)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    seconds = _timed(run)
+    if errors:
+        raise OSError(errors[0], f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(errors[0])}")
+    return seconds
+
+
+def map_populate(nbytes: int) -> float:
+    """Seconds for one ``mmap(MAP_POPULATE)`` of ``nbytes`` (the kernel faults every page in the call)."""
+    return _timed(lambda: mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE))
+
+
+def transparent_huge_pages() -> dict[str, str]:
+    """The kernel's THP settings (the fault-in rate depends on them); empty where not readable."""
+    found = {}
+    for name in ("enabled", "defrag"):
+        with contextlib.suppress(OSError):
+            found[name] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+    return found
 
 
 def pin_parallel(nbytes: int, threads: int, device: torch.device | None) -> float:
@@ -148,6 +200,9 @@ def measure(nbytes: int, chunk: int, thread_counts: Sequence[int], device: torch
     add("pin: fault in (zero_, intra-op threads)", phases["fault_seconds"])
     if device is not None:
         add("pin: cudaHostRegister (populated pages)", phases["register_seconds"])
+    add("fault in: mmap(MAP_POPULATE), one call", map_populate(nbytes))
+    for threads in thread_counts:
+        add(f"fault in x{threads} (madvise POPULATE_WRITE on {threads} threads)", populate_parallel(nbytes, threads))
     for threads in thread_counts:
         add(f"pin x{threads} (allocate_block on {threads} threads)", pin_parallel(nbytes, threads, device))
     source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device or "cpu")
@@ -174,12 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = describe_machine(args.out)
     rows = measure(nbytes, chunk, threads, device)
     head = report_head("python -m benchmarks.host_staging", sys.argv[1:] if argv is None else argv, machine)
-    report = {**head, "bytes": nbytes, "chunk_bytes": chunk, "torch_threads": torch.get_num_threads(), "rows": rows}
+    report = {**head, "bytes": nbytes, "chunk_bytes": chunk, "torch_threads": torch.get_num_threads(),
+              "transparent_huge_pages": transparent_huge_pages(), "rows": rows}  # fmt: skip
     lines = [
         "# Host staging without pinning on the fence",
         "",
         f"{report['when']}, {machine.get('gpu') or 'CPU'}; {report['versions_line']}; {fmt_bytes(nbytes)} per row, "
-        f"{torch.get_num_threads()} torch threads. Command: `{report['command']}`.",
+        f"{torch.get_num_threads()} torch threads; transparent huge pages {report['transparent_huge_pages']}. "
+        f"Command: `{report['command']}`.",
         "",
         "| what | seconds | rate |",
         "|---|---|---|",
