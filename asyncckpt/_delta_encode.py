@@ -128,6 +128,11 @@ class DeltaSave:
         """Records stored as deltas so far."""
         self.excluded: set[str] = set()
         """Keys stored in full with no reference kept (:meth:`exclude_duplicates`)."""
+        self.max_delta_bytes: int | None = None
+        """Set by the GPU path: tensors over this many bytes get no delta in this save (its GPU
+        budget has no scratch for their delta forms); None: no limit."""
+        self.too_large: set[str] = set()
+        """Keys stored in full this save for :attr:`max_delta_bytes`."""
 
     @property
     def reference(self) -> Reference | None:

@@ -38,33 +38,43 @@ MiB, GiB = 1 << 20, 1 << 30
 WINDOW = GiB
 
 
-def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int) -> int:  # type: ignore[no-untyped-def]
-    """GPU memory a save run by ``plan`` may hold beyond the live state and an arena already allocated."""
+def memory_held(plan, device_bytes: int, arena: int, slots: int, largest: int, forms: int = 1) -> int:  # type: ignore[no-untyped-def]
+    """GPU memory a save run by ``plan`` may hold beyond the live state and an arena already allocated.
+
+    With ``forms`` > 1 (a delta save), a tensor up to ``max_delta_bytes`` alone takes the scratch of
+    every form; a group's tensors together are within a third of the group size (the compressor
+    shrinks delta groups by that much), so a group's scratch is as for one form."""
+    delta_lone = min(largest, plan.max_delta_bytes) * SCRATCH_PER_RAW_BYTE * forms if forms > 1 else 0
     if plan.mode == "device":  # the copy's compressor works one group at a time
         compressed_largest = min(largest, plan.max_compress_bytes)  # larger tensors are stored raw
         scratch = max(plan.group_bytes, compressed_largest) * SCRATCH_PER_RAW_BYTE if plan.max_compress_bytes else 0
-        return max(arena, device_bytes * slots) - arena + scratch + plan.window_bytes
+        return max(arena, device_bytes * slots) - arena + max(scratch, delta_lone) + plan.window_bytes
     if plan.mode == "fence":
-        scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE)
+        scratch = max(scratch_for(plan.group_bytes), largest * SCRATCH_PER_RAW_BYTE, delta_lone)
         return scratch + plan.resident_bytes * slots  # every save in flight keeps its resident output
     # host: one group at a time, no tensor over max_compress_bytes compressed, plus the writer's window
     # (a group of tensors each within max_compress_bytes is at most group_bytes, itself within it)
     compressed = min(plan.group_bytes, plan.max_compress_bytes, device_bytes)
-    return compressed * SCRATCH_PER_RAW_BYTE + plan.window_bytes
+    return max(compressed * SCRATCH_PER_RAW_BYTE, delta_lone) + plan.window_bytes
 
 
 @pytest.mark.parametrize("requested", ["auto", "device", "fence", "host"])
 @pytest.mark.parametrize("fence_allowed", [True, False])
-def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str, fence_allowed: bool) -> None:
+@pytest.mark.parametrize("forms", [1, 3])
+def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str, fence_allowed: bool, forms: int) -> None:
     sizes = [0, MiB, 512 * MiB, 4 * GiB, 34 * GiB, 100 * GiB]
     budgets = [0, 100 * MiB, 192 * MiB, GiB, 2500 * MiB, 30 * GiB, 140 * GiB]
     for device_bytes, budget, arena, slots, largest_fraction in itertools.product(
         sizes, budgets, [0, 8 * GiB], [1, 2], [0.01, 0.5]
     ):
         largest = int(device_bytes * largest_fraction)
-        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed)
+        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed, forms)
         where = f"{requested} state={device_bytes} budget={budget} arena={arena} slots={slots} largest={largest}"
-        assert memory_held(plan, device_bytes, arena, slots, largest) <= max(0, budget - arena), where
+        assert memory_held(plan, device_bytes, arena, slots, largest, forms) <= max(0, budget - arena), where
+        # A delta save is planned as one form would be: its mode and compression never depend on delta forms.
+        one_form = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed)
+        assert (plan.mode, plan.group_bytes, plan.max_compress_bytes) == (
+            one_form.mode, one_form.group_bytes, one_form.max_compress_bytes), where  # fmt: skip
         assert plan.reason, where
         if requested == "host":
             assert plan.mode == "host", where
@@ -250,3 +260,19 @@ def test_a_copy_that_could_not_allocate_its_arena_fences_within_the_copys_scratc
         # The fence keeps two groups in flight where the copy had one: no more scratch than the copy's.
         assert scratch_of(fenced) <= max(scratch_of(copy), scratch_for(MIN_GROUP_BYTES))
         assert fenced_instead(copy, "no arena", fence_allowed=False).mode == "host"
+
+
+def test_a_delta_save_on_a_full_gpu_is_still_fenced_and_compressed() -> None:
+    """The issue-15 setup (33.9 GB of state, a quarter of 10 GB free as budget, 268 MB MLP tensors):
+    with delta on, the save used to go raw to the host, uncompressed, for want of scratch for three
+    encodings of the largest tensor. Now it fences as without delta; only tensors whose delta forms
+    fit the scratch get them (the groups' scratch fills the budget here, so none is kept resident)."""
+    state, budget, largest = 33_900_000_000, 2_450_000_000, 268 * MiB
+    plain = plan_staging("auto", state, budget, 0, 1, largest, WINDOW)
+    delta = plan_staging("auto", state, budget, 0, 1, largest, WINDOW, forms=3)
+    assert plain.mode == delta.mode == "fence" and delta.max_compress_bytes == NO_LIMIT
+    assert delta.max_delta_bytes == budget // (3 * SCRATCH_PER_RAW_BYTE) < largest  # 102 MB: attention, not MLP
+    assert delta.resident_bytes <= plain.resident_bytes
+    assert memory_held(delta, state, 0, 1, largest, 3) <= budget
+    roomy = plan_staging("auto", state, 140 * GiB, 0, 1, largest, WINDOW, forms=3)
+    assert roomy.mode == "device" and roomy.max_delta_bytes >= largest  # every tensor may be a delta

@@ -32,6 +32,7 @@ Modes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,11 @@ class StagingPlan:
     """Compressed bytes that may wait on the GPU for the writer (``device``, ``host``); None: no window (``fence``)."""
     max_compress_bytes: int = NO_LIMIT
     """Tensors larger than this are stored raw: compressing them would need more scratch than the budget."""
+    lone_scratch_bytes: int = 0
+    """Scratch the plan counts for a tensor compressed alone (what sets ``max_delta_bytes``)."""
+    max_delta_bytes: int = NO_LIMIT
+    """In a delta save, tensors larger than this are encoded in full only: their delta forms, each
+    with scratch of its own, would need more than the budget (:func:`plan_staging`'s ``forms``)."""
 
 
 def group_bytes_for(scratch_bytes: int) -> int:
@@ -137,6 +143,7 @@ def plan_staging(
     largest_tensor_bytes: int,
     window_bytes: int,
     fence_allowed: bool = True,
+    forms: int = 1,
 ) -> StagingPlan:
     """Choose the mode and sizes of one save.
 
@@ -147,8 +154,49 @@ def plan_staging(
     a tensor over the group size is a group of its own, so its scratch counts in full;
     ``window_bytes``: compressed bytes a ``device`` save may queue on the GPU for the writer;
     ``fence_allowed``: False where nothing would read the live tensors before training moves on
-    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead.
+    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead;
+    ``forms``: encodings a tensor may get at once (a delta save: itself and its delta forms).
+
+    The mode is chosen for one encoding per tensor: a delta never costs the save its mode or its
+    compression. Delta forms then get the scratch the plan has left for a tensor alone, which
+    sets ``max_delta_bytes``; larger tensors are stored in full in that save.
     """
+    return with_delta_limit(
+        _plan_one_form(requested, device_bytes, budget_bytes, arena_bytes, slots, largest_tensor_bytes, window_bytes,
+                       fence_allowed),
+        forms,
+        largest_tensor_bytes,
+        slots,
+    )  # fmt: skip
+
+
+def with_delta_limit(plan: StagingPlan, forms: int, largest_tensor_bytes: int, slots: int) -> StagingPlan:
+    """``plan`` with the ``max_delta_bytes`` its scratch room gives ``forms`` encodings of a lone tensor.
+
+    A ``fence`` plan's room is its budget less the arena; what delta forms take of it comes out of
+    the compressed output it keeps on the GPU (``resident_bytes``), which only saves PCIe time."""
+    if forms <= 1:
+        return plan
+    per_byte = SCRATCH_PER_RAW_BYTE * forms
+    if plan.mode == "fence":
+        left = plan.resident_bytes * max(1, slots) + plan.lone_scratch_bytes
+        limit = left // per_byte
+        scratch = max(plan.lone_scratch_bytes, min(largest_tensor_bytes, limit) * per_byte)
+        return dataclasses.replace(plan, max_delta_bytes=limit, resident_bytes=(left - scratch) // max(1, slots),
+                                   lone_scratch_bytes=scratch)  # fmt: skip
+    return dataclasses.replace(plan, max_delta_bytes=min(plan.max_compress_bytes, plan.lone_scratch_bytes // per_byte))
+
+
+def _plan_one_form(
+    requested: str,
+    device_bytes: int,
+    budget_bytes: int,
+    arena_bytes: int,
+    slots: int,
+    largest_tensor_bytes: int,
+    window_bytes: int,
+    fence_allowed: bool,
+) -> StagingPlan:
     if requested == "host":
         return host_plan("snapshot='host' was asked for", budget_bytes - arena_bytes, window_bytes)
     if requested in ("auto", "device"):
@@ -159,7 +207,8 @@ def plan_staging(
         copy_scratch = max(copy_group, largest_tensor_bytes) * SCRATCH_PER_RAW_BYTE
         if copy_group >= MIN_GROUP_BYTES and arena + copy_scratch + window_bytes <= budget_bytes:
             why = "the state fits the GPU staging budget" if requested == "auto" else "snapshot='device' was asked for"
-            return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes)
+            return StagingPlan("device", why, budget_bytes, copy_group, 0, window_bytes,
+                               lone_scratch_bytes=budget_bytes - arena - window_bytes)  # fmt: skip
         if device_bytes and arena_bytes >= device_bytes * slots:
             return into_allocated_arena(requested, budget_bytes, arena_bytes, largest_tensor_bytes, window_bytes)
         smallest = max(MIN_GROUP_BYTES, largest_tensor_bytes) * SCRATCH_PER_RAW_BYTE
@@ -187,7 +236,7 @@ def plan_staging(
     if requested != "fence":
         why += ": fenced instead (the next optimizer step waits until the state has been read)"
     # Compressed output kept on the GPU is held until written, by every save in flight.
-    return StagingPlan("fence", why, budget_bytes, group, (left - scratch) // max(1, slots))
+    return StagingPlan("fence", why, budget_bytes, group, (left - scratch) // max(1, slots), lone_scratch_bytes=scratch)
 
 
 def into_allocated_arena(
@@ -211,7 +260,8 @@ def into_allocated_arena(
         why += " (no room to compress: stored uncompressed)"
     elif limit != NO_LIMIT:
         why += f" (tensors over {limit} bytes stored uncompressed)"
-    return StagingPlan("device", why, budget_bytes, max(group, MIN_GROUP_BYTES), 0, window, limit)
+    return StagingPlan("device", why, budget_bytes, max(group, MIN_GROUP_BYTES), 0, window, limit,
+                       lone_scratch_bytes=(left - window) if compress else 0)  # fmt: skip
 
 
 def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:
@@ -222,7 +272,7 @@ def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:
     largest = share // SCRATCH_PER_RAW_BYTE
     reason = why if why.startswith("snapshot=") else f"{why}: staged raw in pinned host memory instead"
     return StagingPlan("host", reason, budget_bytes, max(1, min(largest, MAX_GROUP_BYTES)), 0,
-                       min(window_bytes, share), largest)  # fmt: skip
+                       min(window_bytes, share), largest, lone_scratch_bytes=share)  # fmt: skip
 
 
 def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> StagingPlan:
@@ -233,4 +283,5 @@ def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> S
     # failed to allocate, so the GPU has less memory than the budget assumed, and small groups are
     # what is likely to fit.
     group = max(MIN_GROUP_BYTES, plan.group_bytes // GROUPS_IN_FLIGHT)
-    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, group, 0)
+    return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, group, 0,
+                       max_delta_bytes=min(plan.max_delta_bytes, group))  # fmt: skip

@@ -252,6 +252,7 @@ class GpuEncoder:
                 stats.group_bytes = group_bytes
                 if session is not None:
                     session.exclude_duplicates(t.key for t in snapshot.tensors)
+                    session.max_delta_bytes = snapshot.plan.max_delta_bytes
                     if session.base is not None:  # each tensor's delta forms take scratch beside it
                         group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // DELTA_SCRATCH_FACTOR)
                         stats.group_bytes = group_bytes
@@ -271,6 +272,14 @@ class GpuEncoder:
                         )
                         stats.notes.append(note)
                         log.warning("asyncckpt: %s", note)
+                if session is not None and session.too_large:
+                    note = (
+                        f"{len(session.too_large)} tensors over {session.max_delta_bytes} bytes stored without "
+                        "a delta: the GPU staging budget has no scratch for their delta forms "
+                        "(raise gpu_staging_budget_bytes)"
+                    )
+                    stats.notes.append(note)
+                    log.info("asyncckpt: %s", note)
         except BaseException as exc:  # noqa: BLE001 - handed to the worker through the channel
             error = exc
             log.error("asyncckpt: GPU compression failed: %s: %s", type(exc).__name__, exc)
@@ -690,6 +699,9 @@ def _delta_forms(session: DeltaSave, staged: StagedTensor, source: torch.Tensor)
     that won for this key since the last full save, or both until one has. Queued on the current stream."""
     writer, name = session.writer, session.reference_key(staged)
     if session.base is None or name is None or name in writer.losers:
+        return {}
+    if session.max_delta_bytes is not None and source.numel() > session.max_delta_bytes:
+        session.too_large.add(name)
         return {}
     reference = writer.store.reference(name, source.numel())
     if reference is None:

@@ -26,7 +26,6 @@ decides, at every save, from the free memory measured then, and says why.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import queue
@@ -39,7 +38,7 @@ from .. import _alignment as alignment
 from .._snapshot import HostStager
 from .._tree import FlatState
 from . import fence as fence
-from .budget import NO_LIMIT, StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
+from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -316,13 +315,11 @@ class GpuStager:
             budget,
             self.arena.allocated_bytes,
             self.slots,
-            largest * self.forms_per_tensor,
+            largest,
             self.window_bytes,
             self.fence_allowed,
+            self.forms_per_tensor,
         )
-        if self.forms_per_tensor > 1 and plan.max_compress_bytes < NO_LIMIT:
-            # The plan's limit is on one encoding's bytes; a tensor here may be encoded in every form.
-            plan = dataclasses.replace(plan, max_compress_bytes=plan.max_compress_bytes // self.forms_per_tensor)
         if plan.mode != "host":
             granted = scratch_of(plan) + plan.resident_bytes
             self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))

@@ -75,3 +75,37 @@ def test_preallocate_lets_the_first_save_keep_its_references(run_dir: Path) -> N
     second = read_manifest(saved[1][1].path)
     assert second.reference is not None and second.reference.step == 1
     assert {t.delta for t in second.tensors} - {None}, "save 2 is a delta: its references were kept by save 1"
+
+
+def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir: Path) -> None:
+    """A GPU staging budget of 12x the largest tensor: the fence still runs, compressed (with room
+    for one encoding of each tensor); delta forms get what is left for a tensor alone, 1/24 of the
+    budget, so the 48-64 MiB tensors are stored in full and the 16 MiB ones as deltas, the save says
+    so, and every step restores bit for bit."""
+    trainer = Trainer(width=2048, layers=1, autocast=True, fused=True)
+    trainer.step()
+    largest = max(t.nbytes for t in trainer.model.state_dict().values())
+    budget = 12 * largest
+    saved = []
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", delta="on", delta_full_every=4,
+                                     gpu_staging_budget_bytes=budget) as ckpt:  # fmt: skip
+        for step in (1, 2, 3):
+            trainer.step()
+            state = trainer.state(grads=False)
+            reference = clone_state(state)
+            handle = ckpt.save(step, state)
+            trainer.optimizer.step()
+            saved.append((reference, handle.result(timeout=300)))
+            assert ckpt._delta is not None and ckpt._delta.store.wait_prepared(60)  # type: ignore[attr-defined]
+        notes = list(ckpt._backend.encoder.history[-1].notes)  # type: ignore[union-attr]
+    for reference, result in saved:
+        assert result.snapshot_mode == "fence" and result.ratio > 1.05, result
+        assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
+    limit = budget // 24
+    third = read_manifest(saved[2][1].path)
+    assert third.reference is not None and third.reference.step == 2
+    large = [t for t in third.tensors if t.raw_bytes > limit]
+    small = [t for t in third.tensors if 1 << 20 <= t.raw_bytes <= limit]
+    assert large and all(t.delta is None for t in large), [(t.key, t.raw_bytes, t.delta) for t in large]
+    assert small and any(t.delta is not None for t in small), [(t.key, t.raw_bytes, t.delta) for t in small]
+    assert any("stored without a delta" in note for note in notes), notes
