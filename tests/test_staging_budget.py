@@ -7,6 +7,7 @@ is in tests/gpu/test_gpu_full.py and runs on the H200.
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,76 @@ def test_a_delta_save_on_a_full_gpu_is_still_fenced_and_compressed() -> None:
     assert memory_held(delta, state, 0, 1, largest, 3) <= budget
     roomy = plan_staging("auto", state, 140 * GiB, 0, 1, largest, WINDOW, forms=3)
     assert roomy.mode == "device" and roomy.max_delta_bytes >= largest  # every tensor may be a delta
+
+
+class SlowPool(PinnedPool):
+    """A real pool (plain memory) whose every new block takes ``delay`` seconds to appear, as pinning
+    tens of MB does on a GPU host: long enough for the compressor to ask for a block mid-reservation."""
+
+    def __init__(self, budget_bytes: int, delay: float) -> None:
+        super().__init__(budget_bytes, pin=False)
+        self.delay = delay
+        self.allocations: list[int] = []
+
+    def _allocate(self, size: int):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay)
+        self.allocations.append(size)
+        return super()._allocate(size)
+
+
+def test_acquire_waits_for_a_reserved_block_rather_than_pinning_its_own() -> None:
+    """The first fence save reserves its blocks on the pool's threads; the compressor asking for one
+    meanwhile gets a reserved block, never a second one of its own (which would hold the fence for a
+    serial pin and take the budget the reservation counted on)."""
+    pool = SlowPool(GiB, delay=0.2)
+    reservation = pool.reserve([100 * MiB, 80 * MiB, 60 * MiB], threads=3)
+    got = [pool.acquire(90 * MiB), pool.acquire(70 * MiB), pool.acquire(10 * MiB)]
+    reservation.join()
+    assert all(b is not None for b in got)
+    assert sorted(pool.allocations) == sorted(block_size_for(n) for n in (100 * MiB, 80 * MiB, 60 * MiB))
+    assert [b.nbytes for b in got if b is not None] == [block_size_for(n) for n in (100 * MiB, 80 * MiB, 60 * MiB)]
+    assert not pool.reserving
+    pool.close()
+
+
+def test_a_reservation_stopped_by_the_budget_never_leaves_acquire_waiting() -> None:
+    pool = SlowPool(150 * MiB, delay=0.05)
+    reservation = pool.reserve([100 * MiB, 100 * MiB], threads=1)  # the second does not fit the budget
+    first = pool.acquire(100 * MiB)
+    second = pool.acquire(100 * MiB)  # waits for the second reserved block, which never comes
+    reservation.join()
+    assert first is not None and second is None
+    pool.close()
+
+
+def test_reserve_missing_pins_only_what_the_free_blocks_do_not_cover() -> None:
+    pool = PinnedPool(GiB, pin=False)
+    assert pool.reserve_missing([]) is None
+    first = pool.reserve_missing([30 * MiB, 20 * MiB])  # a first save: nothing pinned yet
+    assert first is not None
+    first.join()
+    held = pool.allocated_bytes
+    assert pool.reserve_missing([30 * MiB, 20 * MiB]) is None and pool.allocated_bytes == held  # a later save
+    more = pool.reserve_missing([30 * MiB, 20 * MiB, 40 * MiB])  # a larger state: only the 40 MiB is new
+    assert more is not None
+    more.join()
+    assert pool.allocated_bytes == held + block_size_for(40 * MiB)
+    pool.close()
+
+
+@given(st.lists(st.integers(1, 64 * MiB), min_size=1, max_size=12), st.integers(1, 8),
+       st.integers(0, 12))  # fmt: skip
+def test_parallel_reservations_stay_within_the_budget_and_hand_out_fitting_blocks(
+    sizes: list[int], threads: int, budget_blocks: int
+) -> None:
+    budget = budget_blocks * 32 * MiB
+    pool = PinnedPool(budget, pin=False)
+    reservation = pool.reserve(sizes, threads=threads)
+    got = [pool.acquire(n) for n in sizes]
+    reservation.join()
+    assert pool.allocated_bytes <= budget
+    for n, block in zip(sizes, got, strict=True):
+        assert block is None or block.nbytes >= n
+    pool.give_back([b for b in got if b is not None])
+    pool.close()
+    assert pool.allocated_bytes == 0
