@@ -7,6 +7,7 @@ is in tests/gpu/test_gpu_full.py and runs on the H200.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from pathlib import Path
 
@@ -350,3 +351,39 @@ def test_parallel_reservations_stay_within_the_budget_and_hand_out_fitting_block
     pool.give_back([b for b in got if b is not None])
     pool.close()
     assert pool.allocated_bytes == 0
+
+
+def test_a_reservation_whose_pinning_fails_never_leaves_acquire_waiting() -> None:
+    """A reservation thread that fails (the driver refused to register) ends its share, logged; a
+    compressor waiting for its block pins one itself instead of holding the fence forever."""
+
+    class FailingFirst(SlowPool):
+        def _allocate(self, size: int):  # type: ignore[no-untyped-def]
+            if not self.allocations:
+                self.allocations.append(-1)
+                time.sleep(self.delay)
+                raise MemoryError("cudaHostRegister failed (simulated by the test's pool)")
+            return super()._allocate(size)
+
+    pool = FailingFirst(GiB, delay=0.1)
+    pool.reserve([100 * MiB], threads=1)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(50 * MiB)))
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and got and got[0] is not None
+    pool.close()
+
+
+def test_a_save_ending_while_the_next_reserves_keeps_the_reserved_blocks() -> None:
+    """With two saves in flight, the first one's recycle() must not free the blocks being reserved
+    for the second (it would pin them again, on the fence)."""
+    pool = SlowPool(GiB, delay=0.3)
+    used = pool.acquire(10 * MiB)
+    assert used is not None
+    reservation = pool.reserve([40 * MiB, 40 * MiB], threads=1)
+    time.sleep(0.45)  # the first reserved block is free, the second still pinning
+    assert pool.recycle([used]) == 0
+    reservation.join()
+    assert pool.free_bytes == used.nbytes + 2 * block_size_for(40 * MiB)
+    pool.close()

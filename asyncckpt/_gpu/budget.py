@@ -275,7 +275,7 @@ def host_plan(why: str, budget_bytes: int, window_bytes: int) -> StagingPlan:
                        min(window_bytes, share), largest, lone_scratch_bytes=share)  # fmt: skip
 
 
-def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> StagingPlan:
+def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True, forms: int = 1) -> StagingPlan:
     """``plan`` run as a ``fence`` with every compressed group sent to the host (a device copy failed: ``why``)."""
     if not fence_allowed:
         return host_plan(f"{why}; codec='none' cannot be fenced", plan.budget_bytes, plan.window_bytes or 0)
@@ -283,5 +283,7 @@ def fenced_instead(plan: StagingPlan, why: str, fence_allowed: bool = True) -> S
     # failed to allocate, so the GPU has less memory than the budget assumed, and small groups are
     # what is likely to fit.
     group = max(MIN_GROUP_BYTES, plan.group_bytes // GROUPS_IN_FLIGHT)
+    # Delta forms of a lone tensor get no more than the groups' own scratch, what the copy counted.
+    limit = scratch_for(group) // (SCRATCH_PER_RAW_BYTE * forms) if forms > 1 else NO_LIMIT
     return StagingPlan("fence", f"{why}: fenced instead", plan.budget_bytes, group, 0,
-                       max_delta_bytes=min(plan.max_delta_bytes, group))  # fmt: skip
+                       max_delta_bytes=min(plan.max_delta_bytes, limit))  # fmt: skip

@@ -126,7 +126,8 @@ class PinnedPool:
                     return best
                 # A block being pinned by several threads arrives sooner than one pinned here, and
                 # pinning a second one would take the budget the reservation counted on.
-                if not any(nbytes <= block_size_for(size) for size in (*self._pending, *self._in_pin)):
+                coming = (*self._pending, *self._in_pin)
+                if not self._pinning or not any(nbytes <= block_size_for(size) for size in coming):
                     break
                 self._arrived.wait()
         return self._allocate_within_budget(nbytes)
@@ -161,9 +162,14 @@ class PinnedPool:
         needed (a reservation larger than that, or blocks of an older, larger state, are freed),
         which bounds pinned memory to about one compressed state per save in flight."""
         with self._lock:
+            if self._pinning:  # the free blocks may be a reservation's for the next save: keep them
+                self._free.extend(blocks)
+                self._arrived.notify_all()
+                return 0
             stale, self._free = self._free, list(blocks)  # the save's blocks were in use, not free
             freed_bytes = sum(b.nbytes for b in stale)
             self._allocated_bytes -= freed_bytes
+            self._arrived.notify_all()
         for block in stale:
             free_block(block)
         return freed_bytes
@@ -202,22 +208,32 @@ class PinnedPool:
                              self.budget_bytes)  # fmt: skip
                     return
 
-        def run() -> None:
+        def pin_logged() -> None:
             try:
-                workers = [threading.Thread(target=pin_next, name="asyncckpt-pin", daemon=True)
-                           for _ in range(max(1, min(threads, len(sizes))))]  # fmt: skip
-                for worker in workers:
-                    worker.start()
+                pin_next()
+            except Exception:  # a failed pin ends this thread's share; acquire() pins what is missing itself
+                log.warning("asyncckpt: pinning staging memory ahead failed", exc_info=True)
+
+        def run() -> None:
+            workers: list[threading.Thread] = []
+            try:
+                for _ in range(max(1, min(threads, len(sizes)))):
+                    workers.append(threading.Thread(target=pin_logged, name="asyncckpt-pin", daemon=True))
+                    workers[-1].start()
+            finally:
                 for worker in workers:
                     worker.join()
-            finally:
                 with self._lock:
                     self._pinning -= 1
+                    if not self._pinning:  # sizes no thread will pin: never leave acquire() waiting for them
+                        self._pending.clear()
                     self._arrived.notify_all()
 
         thread = threading.Thread(target=run, name="asyncckpt-reserve", daemon=True)
+        with self._lock:
+            self._reserving = [t for t in self._reserving if t.is_alive()]
+            self._reserving.append(thread)
         thread.start()
-        self._reserving.append(thread)
         return thread
 
     def reserve_missing(self, sizes: Sequence[int], threads: int = PIN_THREADS) -> threading.Thread | None:
@@ -226,11 +242,8 @@ class PinnedPool:
 
         Compressor thread, as a ``fence`` save starts: the first save finds the pool empty and has
         its blocks pinned ahead by :data:`PIN_THREADS` threads, not one by one on this thread.
-        A later save finds the blocks of the one before free, and this costs a sum."""
+        A later save finds the blocks of the one before free (a sort and a search per size)."""
         with self._lock:
-            covered = sum(b.nbytes for b in self._free) + sum(self._pending) + sum(self._in_pin)
-            if covered >= sum(sizes):
-                return None
             available = sorted([*(b.nbytes for b in self._free), *map(block_size_for, self._pending),
                                 *map(block_size_for, self._in_pin)])  # fmt: skip
         missing = []
@@ -265,7 +278,8 @@ class PinnedPool:
         """Free every free block; blocks still in use are freed by whoever holds them last."""
         with self._lock:
             self._pending.clear()  # what is not pinned yet never will be
-        for thread in self._reserving:
+            reserving = list(self._reserving)
+        for thread in reserving:
             thread.join()
         self.trim(0)
 

@@ -259,7 +259,8 @@ class GpuStager:
             try:
                 acquired = self.arena.acquire([t for t, on in zip(tensors, here, strict=True) if on])
             except torch.cuda.OutOfMemoryError as exc:  # the budget is an estimate; never fail the save for it
-                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})", self.fence_allowed)
+                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})", self.fence_allowed,
+                                      self.forms_per_tensor)  # fmt: skip
         mode = plan.mode
         if self.on_mode is not None:
             self.on_mode(mode, plan.reason)
