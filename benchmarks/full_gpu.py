@@ -174,6 +174,7 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
                     row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 rows.append(row)
+                measured(result)  # after every save too: a time limit keeps what ran
                 if isinstance(progress, BarProgress):
                     progress.advance()
                 progress.say(f"{width}x{layers} {name} save {k + 1}: {row.get('error') or summary(row)}")

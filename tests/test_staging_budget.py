@@ -296,8 +296,8 @@ class SlowPool(PinnedPool):
 
 
 def test_acquire_waits_for_a_reserved_block_rather_than_pinning_its_own() -> None:
-    """The first fence save reserves its blocks on the pool's threads; the compressor asking for one
-    meanwhile gets a reserved block, never a second one of its own (which would hold the fence for a
+    """A save that starts while ``preallocate()`` is still reserving: the compressor asking for a block
+    meanwhile gets a reserved one, never a second one of its own (which would hold the fence for a
     serial pin and take the budget the reservation counted on)."""
     pool = SlowPool(GiB, delay=0.2)
     reservation = pool.reserve([100 * MiB, 80 * MiB, 60 * MiB], threads=3)
@@ -317,21 +317,6 @@ def test_a_reservation_stopped_by_the_budget_never_leaves_acquire_waiting() -> N
     second = pool.acquire(100 * MiB)  # waits for the second reserved block, which never comes
     reservation.join()
     assert first is not None and second is None
-    pool.close()
-
-
-def test_reserve_missing_pins_only_what_the_free_blocks_do_not_cover() -> None:
-    pool = PinnedPool(GiB, pin=False)
-    assert pool.reserve_missing([]) is None
-    first = pool.reserve_missing([30 * MiB, 20 * MiB])  # a first save: nothing pinned yet
-    assert first is not None
-    first.join()
-    held = pool.allocated_bytes
-    assert pool.reserve_missing([30 * MiB, 20 * MiB]) is None and pool.allocated_bytes == held  # a later save
-    more = pool.reserve_missing([30 * MiB, 20 * MiB, 40 * MiB])  # a larger state: only the 40 MiB is new
-    assert more is not None
-    more.join()
-    assert pool.allocated_bytes == held + block_size_for(40 * MiB)
     pool.close()
 
 

@@ -11,9 +11,13 @@ tens of GB), so it is never done on the training thread. :meth:`PinnedPool.reser
 :data:`PIN_THREADS` background threads, each its own blocks: measured on an H100 host (16 cores,
 ``benchmarks/results/host-staging-20261206-184006-h10080gbhbm3.md``), 8 GiB pinned at 4.6 GB/s by one
 thread and 15.5 GB/s by eight, where the fault-in of one mapping by many threads stayed at ~5-6 GB/s.
-``AsyncCheckpointer.preallocate`` reserves before the first save; a ``fence`` save that finds the
-pool short reserves what it lacks as it starts (:meth:`GpuStager.stage`), and the compressor's
-:meth:`PinnedPool.acquire` then waits for a reserved block that fits rather than pinning one of its own.
+``AsyncCheckpointer.preallocate`` reserves before the first save; a save that starts while the
+reservation runs has the compressor's :meth:`PinnedPool.acquire` wait for a reserved block that
+fits rather than pin one of its own. A save that finds the pool empty still pins block by block
+on the compressor thread: reserving its groups' raw sizes ahead on these threads was tried
+(2026-12-06, H100) and cut a first save's fence from 8.7 s to 5.1 s, but held 36.4 GB of pinned
+memory for 28.2 GB of compressed bytes (1.29x, where blocks sized to the compressed groups hold
+1.08x), and the pool keeps what a save used; sizing blocks ahead to compressed bytes is open.
 
 Memory is allocated with ``mmap`` (page-aligned, with transparent huge pages advised, which
 makes pinning cheaper) and registered with ``cudaHostRegister``: torch's own pinned allocator
@@ -26,7 +30,6 @@ Threads: ``acquire`` on the compressor thread, ``give_back`` on the checkpoint w
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import mmap
@@ -235,25 +238,6 @@ class PinnedPool:
             self._reserving.append(thread)
         thread.start()
         return thread
-
-    def reserve_missing(self, sizes: Sequence[int], threads: int = PIN_THREADS) -> threading.Thread | None:
-        """Reserve blocks for those of ``sizes`` (raw bytes of groups about to be spilled, in order)
-        that the free blocks and running reservations do not already cover; None if they all are.
-
-        Compressor thread, as a ``fence`` save starts: the first save finds the pool empty and has
-        its blocks pinned ahead by :data:`PIN_THREADS` threads, not one by one on this thread.
-        A later save finds the blocks of the one before free (a sort and a search per size)."""
-        with self._lock:
-            available = sorted([*(b.nbytes for b in self._free), *map(block_size_for, self._pending),
-                                *map(block_size_for, self._in_pin)])  # fmt: skip
-        missing = []
-        for size in sizes:  # each size takes the smallest block that holds it, as acquire() will
-            at = bisect.bisect_left(available, size)
-            if at < len(available):
-                available.pop(at)
-            else:
-                missing.append(size)
-        return self.reserve(missing, threads) if missing else None
 
     @property
     def reserving(self) -> bool:

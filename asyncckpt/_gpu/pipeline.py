@@ -61,7 +61,6 @@ from . import native as native
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .budget import GROUPS_IN_FLIGHT, halve, plan_groups
 from .fence import FenceGate
-from .pinned_pool import PinnedPool
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import BlobChannel, GpuSnapshot, Group
 from .specs import CodecSpec
@@ -314,7 +313,6 @@ class GpuEncoder:
         channel = snapshot.channel
         resident_left = snapshot.plan.resident_bytes
         group_bytes = group_bytes or snapshot.plan.group_bytes
-        _reserve_spill(snapshot.pool, groups, resident_left)
         in_flight_bytes = GROUPS_IN_FLIGHT * group_bytes
         todo = deque(groups)
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
@@ -751,21 +749,6 @@ def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int
 
 def _tensor_sizes(group: list[tuple[int, StagedTensor]]) -> list[int]:
     return [staged.data.numel() for _index, staged in group]
-
-
-def _reserve_spill(pool: PinnedPool, groups: list[list[tuple[int, StagedTensor]]], resident_bytes: int) -> None:
-    """Have the pinned blocks this ``fence`` save's spilled groups need pinned ahead, on the pool's
-    threads, where the pool does not hold them yet (a first save). A group's raw size bounds its
-    compressed size (an incompressible group is stored raw), so every reserved block fits; the
-    groups that stay on the GPU are counted by their raw bytes, which errs towards reserving."""
-    raw = [_group_raw(g) for g in groups]
-    kept, first_spilled = 0, len(raw)
-    for position, size in enumerate(raw):
-        if kept + size > resident_bytes:
-            first_spilled = position
-            break
-        kept += size
-    pool.reserve_missing(raw[first_spilled:])
 
 
 def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:
