@@ -338,3 +338,16 @@ def test_train_while_saving_splits_off_the_steps_after_durable(tmp_path: Path) -
     after = sum(cost["step_ms"][-2:]) / 1e3  # baseline 0: every step's whole time is excess
     assert cost["lost_after_durable_seconds"] == pytest.approx(after, abs=1e-4)
     assert cost["lost_seconds"] >= cost["call_seconds"] + cost["lost_after_durable_seconds"] - 1e-4
+
+
+def test_host_staging_tiny(tmp_path: Path) -> None:
+    """The host-staging rates at CPU size: every host-side row measured (the bounce ring's copy is
+    checked byte for byte inside), the report written with the kernel's THP settings."""
+    run_module("-m", "benchmarks.host_staging", "--tiny", "--threads", "1,2", "--out", str(tmp_path))
+    (report_path,) = tmp_path.glob("host-staging-*.json")
+    data = json.loads(report_path.read_text())
+    names = [r["name"] for r in data["rows"]]
+    assert any(n.startswith("fault in x2") for n in names) and any(n.startswith("pin x2") for n in names)
+    assert sum("bounce" in n for n in names) == 2
+    assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in data["rows"]), data["rows"]
+    assert "transparent_huge_pages" in data
