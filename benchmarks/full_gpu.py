@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -123,6 +124,20 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     return row
 
 
+def disk_short_for(scratch: Path, rows: list[dict[str, Any]]) -> str:
+    """Why the next save of a delta method, whose earlier saves are ``rows``, would not fit the disk
+    under ``scratch`` ('' if it would): its full saves stay on disk as the chain's base, and the next
+    save, at most a full one, is written beside the last of them before anything is deleted."""
+    stored = [r["stored_bytes"] for r in rows if "stored_bytes" in r]
+    if not stored:
+        return ""
+    free = shutil.disk_usage(scratch).free
+    if free >= max(stored):
+        return ""
+    return (f"not taken: the disk under {scratch} has {fmt_bytes(free)} free beside the chain's base, "
+            f"and a save may store {fmt_bytes(max(stored))}")  # fmt: skip
+
+
 def summary(row: dict[str, Any]) -> str:
     return (
         f"call {fmt_seconds(row['call_seconds'])}, fence held {fmt_seconds(row.get('gate_seconds'))}, "
@@ -169,6 +184,12 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 method.checkpointer.preallocate(checkpoint_state(work)).join()
             for k in range(saves):
                 step += 1
+                chain = isinstance(method, Asyncckpt) and method.delta
+                short = disk_short_for(args.scratch, rows[-k:]) if k and chain else ""
+                if short:
+                    rows.append({"method": name, "save": k + 1, "error": short})
+                    progress.say(f"{width}x{layers} {name} save {k + 1}: {short}")
+                    continue
                 try:
                     row = {"method": name, "save": k + 1, **measure_save(method, work, step, baseline, sampler)}
                 except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)

@@ -351,3 +351,18 @@ def test_host_staging_tiny(tmp_path: Path) -> None:
     assert sum("bounce" in n for n in names) == 2
     assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in data["rows"]), data["rows"]
     assert "transparent_huge_pages" in data
+
+
+def test_a_delta_save_that_would_not_fit_the_disk_is_not_taken(tmp_path: Path) -> None:
+    """The full-GPU benchmark keeps a delta chain's base on disk: before the next save it checks that
+    a save as large as the largest so far fits beside it (a 64 GB disk held a 28 GB base and one
+    28 GB save, not a third), and says why not."""
+    import shutil
+
+    from benchmarks.full_gpu import disk_short_for
+
+    free = shutil.disk_usage(tmp_path).free
+    assert disk_short_for(tmp_path, []) == ""
+    assert disk_short_for(tmp_path, [{"stored_bytes": 1 << 20}, {"error": "an earlier failure"}]) == ""
+    why = disk_short_for(tmp_path, [{"stored_bytes": 2 * free}])
+    assert "not taken" in why and str(tmp_path) in why

@@ -11,7 +11,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; df -h .; nproc; } > "$out/machine.txt" 2>&1
 selection=("$@")
 [ ${#selection[@]} -gt 0 ] || selection=(tests/gpu)
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs "${selection[@]}" 2>&1 | tee "$out/gpu-tests.log"
+# The tests' checkpoints go to one folder, deleted after: pytest keeps its temporary folders, and on
+# a 64 GB disk they left too little for a full-GPU benchmark run after them in the same call.
+basetemp=$(mktemp -d /tmp/gpu-tests-XXXX)
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs --basetemp "$basetemp" "${selection[@]}" 2>&1 | tee "$out/gpu-tests.log"
+rm -rf "$basetemp"
 case "${BENCH:-full}" in
   none) ;;
   tiny) timeout "${BENCH_TIMEOUT:-120}" python3 -m benchmarks.gpu_pipeline --out "$out" --tiny ${BENCH_ARGS:-} 2>&1 | tee "$out/gpu-bench.log" ;;
