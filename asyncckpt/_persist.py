@@ -259,12 +259,13 @@ def job_result(job: SaveJob, final: Path, part: WrittenPart | None, io_mode: str
     stages = {"snapshot": job.snapshot_seconds, **(part.stage_seconds if part else {}), "commit": commit_seconds}
     return save_result(job.step, final, part, io_mode, stages=stages, stall_seconds=job.stall_seconds,
                        gpu_idle_seconds=job.stall_seconds + job.snapshot.gpu_busy_seconds(), started=job.started,
-                       snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason)  # fmt: skip
+                       snapshot_mode=job.snapshot_mode, snapshot_reason=job.snapshot_reason,
+                       notes=tuple(job.snapshot.notes))  # fmt: skip
 
 
 def save_result(step: int, final: Path, part: WrittenPart | None, io_mode: str, *, stages: dict[str, float],
                 stall_seconds: float, gpu_idle_seconds: float, started: float, snapshot_mode: str,
-                snapshot_reason: str = "") -> SaveResult:  # fmt: skip
+                snapshot_reason: str = "", notes: tuple[str, ...] = ()) -> SaveResult:  # fmt: skip
     """The one place a :class:`SaveResult` is assembled: the checkpointers (through :func:`job_result`)
     and the DCP plugin's writer. ``started`` is the ``time.perf_counter()`` the save began at;
     ``durable_seconds`` runs from it to this call. Any thread."""
@@ -274,7 +275,7 @@ def save_result(step: int, final: Path, part: WrittenPart | None, io_mode: str, 
         stored_bytes=sum(r.stored_bytes for r in records), stall_seconds=stall_seconds, stage_seconds=stages,
         io_mode=io_mode, snapshot_mode=snapshot_mode, snapshot_reason=snapshot_reason,
         codecs=dict(part.codecs) if part is not None else {}, durable_seconds=time.perf_counter() - started,
-        gpu_idle_seconds=gpu_idle_seconds,
+        gpu_idle_seconds=gpu_idle_seconds, notes=notes,
     )  # fmt: skip
 
 

@@ -35,6 +35,10 @@ class SaveResult:
     """Seconds this save kept the GPU from training: ``stall_seconds`` plus GPU time measured on the
     snapshot copy and on fence waits (0 extra on the CPU path). Defined in docs/metrics.md."""
     skipped: bool = False
+    notes: tuple[str, ...] = ()
+    """How the save degraded from its plan (GPU path: memory ran short while compressing, the host
+    staging budget was spent, tensors stored without a delta for want of scratch), one sentence each;
+    also logged. Empty when it ran as planned; ``snapshot_reason`` says why its mode was chosen."""
 
     @property
     def ratio(self) -> float:

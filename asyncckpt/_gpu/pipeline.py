@@ -230,6 +230,7 @@ class GpuEncoder:
 
     def _compress(self, snapshot: GpuSnapshot) -> None:
         stats = CompressStats(mode=snapshot.mode)
+        snapshot.notes = stats.notes  # one list: what the compressor notes reaches the SaveResult
         channel, gate, began = snapshot.channel, snapshot.gate, time.perf_counter()
         error: BaseException | None = None
         try:

@@ -158,6 +158,8 @@ class GpuSnapshot:
         self.on_release: Callable[[], None] | None = None
         self.delta = DeltaHandoff()
         """The incremental session of this save (used when the encoder has a delta writer)."""
+        self.notes: list[str] = []
+        """How the save degraded: the compressor's notes for it (``CompressStats.notes``), shared."""
         self.sources_final = threading.Event()
         """Set once ``sources`` changes no more: at once, except in fence mode (the compressor sets it)."""
         if self.mode != "fence":

@@ -67,6 +67,13 @@ class Snapshot(Protocol):
         ...
 
     @property
+    def notes(self) -> Sequence[str]:
+        """How this save degraded from its plan, one sentence each, in order (the GPU compressor's:
+        memory ran short, the host budget was spent, tensors stored without a delta); each was also
+        logged. Empty when it ran as planned. Read by the worker once the bytes are written."""
+        ...
+
+    @property
     def stable(self) -> bool:
         """Whether ``tensors[i].data`` stays as staged until :meth:`release`. False for a fence,
         whose data is live memory training overwrites once the GPU has read it: the writer then
@@ -84,6 +91,7 @@ class StagedAtOnce:
     """The staging contract of a snapshot that owns its bytes when ``stage()`` returns (a copy)."""
 
     stable = True
+    notes: Sequence[str] = ()
 
     def when_staged(self, callback: Callable[[], None]) -> None:
         callback()

@@ -197,7 +197,7 @@ class AsyncCkptWriter(StorageWriter):
         result = save_result(_step_of(self._final()), self._final(), part, self._backend.storage.io_mode,
                              stages=dict(part.stage_seconds), stall_seconds=stall, gpu_idle_seconds=stall,
                              started=started, snapshot_mode=self._backend.snapshot_mode,
-                             snapshot_reason=self._backend.snapshot_reason)  # fmt: skip
+                             snapshot_reason=self._backend.snapshot_reason, notes=tuple(snapshot.notes))  # fmt: skip
         if self.is_coordinator:
             self._pending = (result, started)  # reported once the commit is done (or failed), in finish()
         else:
@@ -298,6 +298,10 @@ class _PlanSnapshot:
 
     def gpu_busy_seconds(self) -> float:
         return sum(e.snapshot.gpu_busy_seconds() for e in self._claimed)
+
+    @property
+    def notes(self) -> list[str]:
+        return [note for e in self._claimed for note in e.snapshot.notes]
 
     @property
     def stable(self) -> bool:

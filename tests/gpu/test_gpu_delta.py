@@ -109,3 +109,5 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
     assert large and all(t.delta is None for t in large), [(t.key, t.raw_bytes, t.delta) for t in large]
     assert small and any(t.delta is not None for t in small), [(t.key, t.raw_bytes, t.delta) for t in small]
     assert any("stored without a delta" in note for note in notes), notes
+    assert any("stored without a delta" in note for note in saved[2][1].notes), saved[2][1]  # the SaveResult says so
+    assert not saved[0][1].notes, saved[0][1]  # a full save had no delta to give up

@@ -101,6 +101,8 @@ def test_a_spent_host_budget_paces_the_rest_by_the_disk(run_dir: Path) -> None:
         pairs = save_while_training(ckpt, trainer, range(1, 3))
         notes = [n for s in ckpt._backend.encoder.history for n in s.notes]
     assert any("host_staging_budget_bytes" in n for n in notes)
+    # The SaveResult carries the same notes (issue 15: a save that degrades says so in its result).
+    assert any("host_staging_budget_bytes" in n for _reference, result in pairs for n in result.notes), pairs
     assert_restores(run_dir, pairs)
 
 
