@@ -29,6 +29,7 @@ from asyncckpt._gpu.budget import (
     plan_staging,
     scratch_for,
     scratch_of,
+    with_delta_limit,
 )
 from asyncckpt._gpu.pinned_pool import PinnedPool, block_size_for
 from asyncckpt._gpu.staging import spilled_group_sizes
@@ -70,11 +71,11 @@ def test_no_plan_holds_more_gpu_memory_than_its_budget(requested: str, fence_all
         sizes, budgets, [0, 8 * GiB], [1, 2], [0.01, 0.5]
     ):
         largest = int(device_bytes * largest_fraction)
-        plan = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed, forms)
+        one_form = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed)
+        plan = with_delta_limit(one_form, forms, largest, slots)
         where = f"{requested} state={device_bytes} budget={budget} arena={arena} slots={slots} largest={largest}"
         assert memory_held(plan, device_bytes, arena, slots, largest, forms) <= max(0, budget - arena), where
         # A delta save is planned as one form would be: its mode and compression never depend on delta forms.
-        one_form = plan_staging(requested, device_bytes, budget, arena, slots, largest, WINDOW, fence_allowed)
         assert (plan.mode, plan.group_bytes, plan.max_compress_bytes) == (
             one_form.mode, one_form.group_bytes, one_form.max_compress_bytes), where  # fmt: skip
         assert plan.reason, where
@@ -271,12 +272,12 @@ def test_a_delta_save_on_a_full_gpu_is_still_fenced_and_compressed() -> None:
     fit the scratch get them (the groups' scratch fills the budget here, so none is kept resident)."""
     state, budget, largest = 33_900_000_000, 2_450_000_000, 268 * MiB
     plain = plan_staging("auto", state, budget, 0, 1, largest, WINDOW)
-    delta = plan_staging("auto", state, budget, 0, 1, largest, WINDOW, forms=3)
+    delta = with_delta_limit(plain, 3, largest, 1)
     assert plain.mode == delta.mode == "fence" and delta.max_compress_bytes == NO_LIMIT
     assert delta.max_delta_bytes == budget // (3 * SCRATCH_PER_RAW_BYTE) < largest  # 102 MB: attention, not MLP
     assert delta.resident_bytes <= plain.resident_bytes
     assert memory_held(delta, state, 0, 1, largest, 3) <= budget
-    roomy = plan_staging("auto", state, 140 * GiB, 0, 1, largest, WINDOW, forms=3)
+    roomy = with_delta_limit(plan_staging("auto", state, 140 * GiB, 0, 1, largest, WINDOW), 3, largest, 1)
     assert roomy.mode == "device" and roomy.max_delta_bytes >= largest  # every tensor may be a delta
 
 

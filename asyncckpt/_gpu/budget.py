@@ -134,44 +134,10 @@ def default_gpu_budget(available_bytes: int, arena_bytes: int = 0) -> int:
     return arena_bytes + max(0, available_bytes) // FREE_FRACTION
 
 
-def plan_staging(
-    requested: str,
-    device_bytes: int,
-    budget_bytes: int,
-    arena_bytes: int,
-    slots: int,
-    largest_tensor_bytes: int,
-    window_bytes: int,
-    fence_allowed: bool = True,
-    forms: int = 1,
-) -> StagingPlan:
-    """Choose the mode and sizes of one save.
-
-    ``requested``: the ``snapshot`` option (``auto``, ``device``, ``fence``, ``host``);
-    ``device_bytes``: the state's bytes on this GPU; ``budget_bytes``: GPU memory this save may
-    use; ``arena_bytes``: GPU staging arena already allocated (it stays allocated, so a mode that
-    does not use it has that much less); ``slots``: saves that may be in flight; ``largest_tensor_bytes``:
-    a tensor over the group size is a group of its own, so its scratch counts in full;
-    ``window_bytes``: compressed bytes a ``device`` save may queue on the GPU for the writer;
-    ``fence_allowed``: False where nothing would read the live tensors before training moves on
-    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead;
-    ``forms``: encodings a tensor may get at once (a delta save: itself and its delta forms).
-
-    The mode is chosen for one encoding per tensor: a delta never costs the save its mode or its
-    compression. Delta forms then get the scratch the plan has left for a tensor alone, which
-    sets ``max_delta_bytes``; larger tensors are stored in full in that save.
-    """
-    return with_delta_limit(
-        _plan_one_form(requested, device_bytes, budget_bytes, arena_bytes, slots, largest_tensor_bytes, window_bytes,
-                       fence_allowed),
-        forms,
-        largest_tensor_bytes,
-        slots,
-    )  # fmt: skip
-
-
 def with_delta_limit(plan: StagingPlan, forms: int, largest_tensor_bytes: int, slots: int) -> StagingPlan:
-    """``plan`` with the ``max_delta_bytes`` its scratch room gives ``forms`` encodings of a lone tensor.
+    """``plan`` (from :func:`plan_staging`) with the ``max_delta_bytes`` its scratch room gives
+    ``forms`` encodings of a lone tensor (a delta save: the tensor itself and its delta forms);
+    larger tensors are stored in full in that save.
 
     A ``fence`` plan's room is its budget less the arena; what delta forms take of it comes out of
     the compressed output it keeps on the GPU (``resident_bytes``), which only saves PCIe time."""
@@ -187,7 +153,7 @@ def with_delta_limit(plan: StagingPlan, forms: int, largest_tensor_bytes: int, s
     return dataclasses.replace(plan, max_delta_bytes=min(plan.max_compress_bytes, plan.lone_scratch_bytes // per_byte))
 
 
-def _plan_one_form(
+def plan_staging(
     requested: str,
     device_bytes: int,
     budget_bytes: int,
@@ -195,8 +161,22 @@ def _plan_one_form(
     slots: int,
     largest_tensor_bytes: int,
     window_bytes: int,
-    fence_allowed: bool,
+    fence_allowed: bool = True,
 ) -> StagingPlan:
+    """Choose the mode and sizes of one save.
+
+    ``requested``: the ``snapshot`` option (``auto``, ``device``, ``fence``, ``host``);
+    ``device_bytes``: the state's bytes on this GPU; ``budget_bytes``: GPU memory this save may
+    use; ``arena_bytes``: GPU staging arena already allocated (it stays allocated, so a mode that
+    does not use it has that much less); ``slots``: saves that may be in flight; ``largest_tensor_bytes``:
+    a tensor over the group size is a group of its own, so its scratch counts in full;
+    ``window_bytes``: compressed bytes a ``device`` save may queue on the GPU for the writer;
+    ``fence_allowed``: False where nothing would read the live tensors before training moves on
+    (``codec="none"``), so a save that cannot copy on the GPU goes to the host instead.
+
+    The plan is for one encoding per tensor; a delta save then applies :func:`with_delta_limit`,
+    so a delta never costs a save its mode or its compression.
+    """
     if requested == "host":
         return host_plan("snapshot='host' was asked for", budget_bytes - arena_bytes, window_bytes)
     if requested in ("auto", "device"):

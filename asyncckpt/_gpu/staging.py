@@ -38,7 +38,15 @@ from .. import _alignment as alignment
 from .._snapshot import HostStager
 from .._tree import FlatState
 from . import fence as fence
-from .budget import StagingPlan, default_gpu_budget, fenced_instead, plan_groups, plan_staging, scratch_of
+from .budget import (
+    StagingPlan,
+    default_gpu_budget,
+    fenced_instead,
+    plan_groups,
+    plan_staging,
+    scratch_of,
+    with_delta_limit,
+)
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
 
@@ -319,8 +327,8 @@ class GpuStager:
             largest,
             self.window_bytes,
             self.fence_allowed,
-            self.forms_per_tensor,
         )
+        plan = with_delta_limit(plan, self.forms_per_tensor, largest, self.slots)
         if plan.mode != "host":
             granted = scratch_of(plan) + plan.resident_bytes
             self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))

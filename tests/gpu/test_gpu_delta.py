@@ -5,11 +5,13 @@ the chain policy holds."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu_env import Trainer, requires_gpu
 
 import asyncckpt
+from asyncckpt import SaveResult
 from asyncckpt._manifest import read_manifest
 from asyncckpt.testing.state_compare import clone_state, first_difference
 
@@ -55,21 +57,32 @@ def test_a_delta_chain_restores_every_step_bit_for_bit(run_dir: Path, snapshot: 
         assert ops and base is not None and base.step == base_step, kinds
 
 
+def save_steps(ckpt: asyncckpt.AsyncCheckpointer, trainer: Trainer, steps: tuple[int, ...],
+               wait_for_references: bool = False) -> list[tuple[dict[str, Any], SaveResult]]:  # fmt: skip
+    """One training step before each save and an in-place optimizer step right behind it (the fence
+    must hold it); (the state as saved, its result) per step. ``wait_for_references``: after each
+    save, until its reference memory is allocated, which makes the chain's shape exact."""
+    saved = []
+    for step in steps:
+        trainer.step()
+        state = trainer.state(grads=False)
+        reference = clone_state(state)
+        handle = ckpt.save(step, state)
+        trainer.optimizer.step()
+        saved.append((reference, handle.result(timeout=300)))
+        if wait_for_references:
+            assert ckpt._delta is not None and ckpt._delta.store.wait_prepared(60)  # type: ignore[attr-defined]
+    return saved
+
+
 def test_preallocate_lets_the_first_save_keep_its_references(run_dir: Path) -> None:
     """With the reference memory allocated ahead (``preallocate``), save 1 keeps its references and
     save 2 is already a delta against it; both restore bit for bit."""
     trainer = Trainer(width=512, layers=2, autocast=True, fused=True)
     trainer.step()
-    saved = []
     with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", delta="on", delta_full_every=4) as ckpt:
         ckpt.preallocate(trainer.state(grads=False)).join(120)
-        for step in (1, 2):
-            trainer.step()
-            state = trainer.state(grads=False)
-            reference = clone_state(state)
-            handle = ckpt.save(step, state)
-            trainer.optimizer.step()
-            saved.append((reference, handle.result(timeout=300)))
+        saved = save_steps(ckpt, trainer, (1, 2))
     for reference, result in saved:
         assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
     second = read_manifest(saved[1][1].path)
@@ -86,17 +99,9 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
     trainer.step()
     largest = max(t.nbytes for t in trainer.model.state_dict().values())
     budget = 12 * largest
-    saved = []
     with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", delta="on", delta_full_every=4,
                                      gpu_staging_budget_bytes=budget) as ckpt:  # fmt: skip
-        for step in (1, 2, 3):
-            trainer.step()
-            state = trainer.state(grads=False)
-            reference = clone_state(state)
-            handle = ckpt.save(step, state)
-            trainer.optimizer.step()
-            saved.append((reference, handle.result(timeout=300)))
-            assert ckpt._delta is not None and ckpt._delta.store.wait_prepared(60)  # type: ignore[attr-defined]
+        saved = save_steps(ckpt, trainer, (1, 2, 3), wait_for_references=True)
         notes = list(ckpt._backend.encoder.history[-1].notes)  # type: ignore[union-attr]
     for reference, result in saved:
         assert result.snapshot_mode == "fence" and result.ratio > 1.05, result
