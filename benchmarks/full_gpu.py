@@ -11,8 +11,9 @@ Per save it reports:
 * **training time lost**: the call plus, for every step that ran until the checkpoint was
   durable, its time minus the baseline step time (median of steps with no save in flight);
 * durable seconds, stored bytes, and the disk's own write bandwidth measured in the same run;
-* peak extra GPU memory (driver-reported, sampled every 20 ms: nvCOMP's allocations count) and
-  peak extra host RSS (pinned staging included) over the memory in use before the save;
+* peak extra GPU memory (driver-reported, sampled every 20 ms: nvCOMP's allocations count), and
+  of it what torch's caching allocator reserved (the rest is nvCOMP's, KvikIO's, modules loading),
+  and peak extra host RSS (pinned staging included) over the memory in use before the save;
 * for asyncckpt, the snapshot mode that ran and why;
 * for ``asyncckpt:...:delta`` methods, the stored ratio and where the delta references are held
   (GPU or pinned host bytes); their training time lost also counts the steps that ran until the
@@ -106,6 +107,7 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     if work.device.type == "cuda":
         torch.cuda.synchronize(work.device)
     gpu_before, host_before = sampler.reset()
+    torch_before = torch_reserved_peak(work.device, reset=True)
     settled = method.settled() if isinstance(method, Asyncckpt) else None
     pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline, settled)
     finished = pending.finish()
@@ -115,6 +117,9 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "durable_seconds": finished.durable_seconds,
         "stored_bytes": path_bytes(finished.path),
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
+        # torch's caching allocator alone (training's and the save's tensors); the driver-reported
+        # figure above less this is what others allocated: nvCOMP, KvikIO, CUDA modules loading.
+        "extra_gpu_torch_bytes": max(0, torch_reserved_peak(work.device) - torch_before),
         "extra_host_bytes": max(0, host_peak - host_before),
         "host_rss_before_bytes": host_before,
         **{k: v for k, v in finished.details.items() if k in REPORTED_DETAILS},
@@ -122,6 +127,16 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     if not (isinstance(method, Asyncckpt) and method.delta) or read_manifest(finished.path).reference is not None:
         remove(finished.path)  # a full save of a delta chain stays: the next saves are deltas against it
     return row
+
+
+def torch_reserved_peak(device: torch.device, reset: bool = False) -> int:
+    """Peak bytes torch's caching allocator reserved on ``device`` since the last reset (then
+    restarted from now, with ``reset``); 0 off the GPU."""
+    if device.type != "cuda":
+        return 0
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.max_memory_reserved(device))
 
 
 def disk_short_for(scratch: Path, rows: list[dict[str, Any]]) -> str:
@@ -221,6 +236,12 @@ def stored_cell(row: dict[str, Any]) -> str:
     return fmt_bytes(row["stored_bytes"]) + ratio
 
 
+def torch_share(row: dict[str, Any]) -> str:
+    """`` (x torch)``: how much of a GPU row's extra memory torch's allocator reserved ('' on the CPU)."""
+    torch_bytes = row.get("extra_gpu_torch_bytes")
+    return f" ({fmt_bytes(torch_bytes)} torch)" if torch_bytes else ""
+
+
 def references_note(row: dict[str, Any]) -> str:
     """Where a delta method's references were held after the save ('' with delta off)."""
     if "reference_device_bytes" not in row:
@@ -246,7 +267,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt_seconds(size['baseline_step_seconds'])}",
             "",
             "| method | save | save() call | fence held | training time lost | durable | stored "
-            "| extra GPU | extra host | mode |",
+            "| extra GPU (of it torch's) | extra host | mode |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in size["rows"]:
@@ -257,7 +278,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['method']} | {r['save']} | {fmt_seconds(r['call_seconds'])} "
                 f"| {fmt_seconds(r.get('gate_seconds'))} | {fmt_seconds(r['lost_seconds'])} "
                 f"| {fmt_seconds(r['durable_seconds'])} | {stored_cell(r)} "
-                f"| {fmt_bytes(r['extra_gpu_bytes'])} | {fmt_bytes(r['extra_host_bytes'])} "
+                f"| {fmt_bytes(r['extra_gpu_bytes'])}{torch_share(r)} | {fmt_bytes(r['extra_host_bytes'])} "
                 f"| {r.get('snapshot_mode', '-')}{references_note(r)} |"
             )
         reasons = {r.get("snapshot_reason") for r in size["rows"] if r.get("snapshot_reason")}
