@@ -103,6 +103,8 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
                                      gpu_staging_budget_bytes=budget) as ckpt:  # fmt: skip
         saved = save_steps(ckpt, trainer, (1, 2, 3), wait_for_references=True)
         notes = list(ckpt._backend.encoder.history[-1].notes)  # type: ignore[union-attr]
+        store = ckpt._delta.store  # type: ignore[union-attr]
+        held = store.device_bytes + store.host_bytes  # type: ignore[attr-defined]
     for reference, result in saved:
         assert result.snapshot_mode == "fence" and result.ratio > 1.05, result
         assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
@@ -114,5 +116,7 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
     assert large and all(t.delta is None for t in large), [(t.key, t.raw_bytes, t.delta) for t in large]
     assert small and any(t.delta is not None for t in small), [(t.key, t.raw_bytes, t.delta) for t in small]
     assert any("stored without a delta" in note for note in notes), notes
+    # No reference memory is held for tensors that cannot be deltas at this budget.
+    assert held <= sum(t.raw_bytes for t in third.tensors if t.raw_bytes <= limit), (held, limit)
     assert any("stored without a delta" in note for note in saved[2][1].notes), saved[2][1]  # the SaveResult says so
     assert not saved[0][1].notes, saved[0][1]  # a full save had no delta to give up
