@@ -72,7 +72,7 @@ class StagingPlan:
     """Scratch the plan counts for a tensor compressed alone (what sets ``max_delta_bytes``)."""
     max_delta_bytes: int = NO_LIMIT
     """In a delta save, tensors larger than this are encoded in full only: their delta forms, each
-    with scratch of its own, would need more than the budget (:func:`plan_staging`'s ``forms``)."""
+    with scratch of its own, would need more than the budget (set by :func:`with_delta_limit`)."""
 
 
 def group_bytes_for(scratch_bytes: int) -> int:
