@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
@@ -373,3 +373,56 @@ def test_a_save_ending_while_the_next_reserves_keeps_the_reserved_blocks() -> No
     reservation.join()
     assert pool.free_bytes == used.nbytes + 2 * block_size_for(40 * MiB)
     pool.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["acquire", "reserve", "recycle"]), st.integers(1, 24 * MiB)),
+                min_size=1, max_size=30),
+       st.integers(2, 10), st.integers(1, 4))  # fmt: skip
+def test_the_pool_under_concurrent_saves_and_reservations_never_hangs_or_double_hands_a_block(
+    ops: list[tuple[str, int]], budget_blocks: int, threads: int
+) -> None:
+    """Searched: compressor-like threads acquiring and giving back, reservations and recycles in any
+    order, on a pool whose new blocks take a moment to appear. No call hangs, a block is never held
+    by two takers at once, every block fits what was asked, and the budget holds throughout."""
+    pool = SlowPool(budget_blocks * 16 * MiB, delay=0.002)
+    held: set[int] = set()
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def run(share: list[tuple[str, int]]) -> None:
+        mine = []
+        for op, size in share:
+            if op == "reserve":
+                pool.reserve([size, size // 2 + 1], threads=2)
+            elif op == "recycle":
+                pool.recycle(mine)
+                with lock:
+                    held.difference_update(id(b) for b in mine)
+                mine = []
+            else:
+                block = pool.acquire(size)
+                if block is None:
+                    continue
+                with lock:
+                    if id(block) in held:
+                        failures.append(f"block {id(block)} handed out twice")
+                    held.add(id(block))
+                if block.nbytes < size:
+                    failures.append(f"a {block.nbytes}-byte block for {size} bytes")
+                mine.append(block)
+            if pool.allocated_bytes > pool.budget_bytes:
+                failures.append(f"{pool.allocated_bytes} allocated over a {pool.budget_bytes} budget")
+        with lock:
+            held.difference_update(id(b) for b in mine)
+        pool.give_back(mine)
+
+    workers = [threading.Thread(target=run, args=(ops[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert not any(w.is_alive() for w in workers), "a pool call hung"
+    assert not failures, failures
+    pool.close()
+    assert pool.allocated_bytes == 0 and not pool.reserving

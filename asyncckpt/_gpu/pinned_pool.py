@@ -233,10 +233,10 @@ class PinnedPool:
                     self._arrived.notify_all()
 
         thread = threading.Thread(target=run, name="asyncckpt-reserve", daemon=True)
+        thread.start()  # before it is listed: a thread not yet started is not alive, and would be pruned
         with self._lock:
             self._reserving = [t for t in self._reserving if t.is_alive()]
             self._reserving.append(thread)
-        thread.start()
         return thread
 
     @property
