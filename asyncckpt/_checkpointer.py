@@ -210,7 +210,8 @@ class AsyncCheckpointer:
 
         def then_references() -> None:
             staging.join()
-            references = delta.reserve(flat.tensors, self._backend.stager.host_staging_bytes())
+            stager = self._backend.stager  # after the staging: the plan sees what it allocated
+            references = delta.reserve(flat.tensors, stager.host_staging_bytes(), stager.delta_limit(flat))
             if references is not None:
                 references.join()
 

@@ -78,6 +78,9 @@ class DeltaWriter:
         """The op chosen per key since the last full save."""
         self.losers: set[str] = set()
         """``auto``: keys whose delta lost since the last full save (not tried, not kept)."""
+        self.too_large: set[str] = set()
+        """GPU path: keys the last full save kept no reference of, for its delta size limit
+        (``DeltaSave.max_delta_bytes``); the saves of its chain ask no memory for them."""
 
     def begin(self, step: int, *, full: bool = False, staging_bytes: int = 0) -> DeltaSave:
         """Start encoding save ``step``: a full one if asked, if the chain is long or there is no base."""
@@ -89,6 +92,7 @@ class DeltaWriter:
             base = None
             self.ops.clear()
             self.losers.clear()
+            self.too_large.clear()
         # Against the chain's full save, a delta save leaves the store's bytes as they are.
         self.store.freeze(base is not None and self.reference == "full")
         return DeltaSave(self, base)
@@ -101,16 +105,19 @@ class DeltaWriter:
         """Free the reference store's memory. Once no save runs any more."""
         self.store.close()
 
-    def reserve(self, leaves: Iterable[TensorLeaf], staging_bytes: int = 0) -> threading.Thread | None:
+    def reserve(self, leaves: Iterable[TensorLeaf], staging_bytes: int = 0,
+                max_bytes: int | None = None) -> threading.Thread | None:  # fmt: skip
         """Allocate the store's memory for these tensors ahead of the first save (``preallocate``):
         the thread doing it, or None where the store allocates as it records. ``staging_bytes``:
         host staging memory already held, which ``auto`` counts against its budget as
-        :meth:`begin` does. Any thread, while no save is in flight."""
+        :meth:`begin` does; ``max_bytes``: larger tensors are left out (their save would keep no
+        reference: ``DeltaSave.max_delta_bytes``). Any thread, while no save is in flight."""
         self._share_host_budget(staging_bytes)
         leaves = list(leaves)
         duplicates = duplicate_keys(leaf.key for leaf in leaves)
         return self.store.reserve({reference_name(leaf.key, leaf.tensor.dtype): leaf.tensor.nbytes
-                                   for leaf in leaves if leaf.key not in duplicates})  # fmt: skip
+                                   for leaf in leaves if leaf.key not in duplicates
+                                   and (max_bytes is None or leaf.tensor.nbytes <= max_bytes)})  # fmt: skip
 
     def _share_host_budget(self, staging_bytes: int) -> None:
         """``auto``: the store gets the host budget less the staging memory held beside it."""
@@ -133,6 +140,12 @@ class DeltaSave:
         budget has no scratch for their delta forms); None: no limit."""
         self.too_large: set[str] = set()
         """Keys stored in full this save for :attr:`max_delta_bytes`."""
+
+    @property
+    def against_full_save(self) -> bool:
+        """Whether this save takes deltas against the chain's full save, whose bytes the store keeps
+        as they are (frozen): its records copy nothing."""
+        return self.base is not None and self.writer.reference == "full"
 
     @property
     def reference(self) -> Reference | None:

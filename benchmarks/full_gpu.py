@@ -202,13 +202,12 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
                 chain = isinstance(method, Asyncckpt) and method.delta
                 short = disk_short_for(args.scratch, rows[-k:]) if k and chain else ""
                 if short:
-                    rows.append({"method": name, "save": k + 1, "error": short})
-                    progress.say(f"{width}x{layers} {name} save {k + 1}: {short}")
-                    continue
-                try:
-                    row = {"method": name, "save": k + 1, **measure_save(method, work, step, baseline, sampler)}
-                except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
-                    row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
+                    row = {"method": name, "save": k + 1, "error": short}
+                else:
+                    try:
+                        row = {"method": name, "save": k + 1, **measure_save(method, work, step, baseline, sampler)}
+                    except Exception as exc:  # noqa: BLE001 - a failed method is a result (e.g. out of memory)
+                        row = {"method": name, "save": k + 1, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 rows.append(row)
                 measured(result)  # after every save too: a time limit keeps what ran
                 if isinstance(progress, BarProgress):

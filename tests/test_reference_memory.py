@@ -239,6 +239,22 @@ def test_reserve_leaves_out_what_the_compressor_never_records() -> None:
     assert list(store._spare) == ["big"] and store.device_bytes == 100
 
 
+def test_reserve_leaves_out_what_the_first_save_could_take_no_delta_of() -> None:
+    """preallocate() passes the plan's delta size limit: a tensor over it keeps no reference at the
+    first save, so memory reserved for it (tens of GB pinned on a full GPU) would only be freed again."""
+    store = _store(device_budget=1000, host_budget=1000)
+    writer = DeltaWriter(store, "on", 4, 1000)
+    leaves = [
+        TensorLeaf("small", torch.zeros(100, dtype=torch.uint8)),
+        TensorLeaf("big", torch.zeros(400, dtype=torch.uint8)),
+    ]
+    thread = writer.reserve(leaves, max_bytes=200)
+    assert thread is not None
+    thread.join(30)
+    assert [name.split("\x00")[0] for name in store._spare] == ["small"] and store.device_bytes == 100
+    store.close()
+
+
 def test_auto_reserves_within_the_host_budget_less_what_staging_holds() -> None:
     """delta="auto" shares the host budget with staging: references reserved ahead get what the
     staging already allocated leaves, as a save's references would."""
@@ -249,3 +265,88 @@ def test_auto_reserves_within_the_host_budget_less_what_staging_holds() -> None:
     assert thread is not None
     thread.join(30)
     assert store.host_bytes == 100, "150 of 300 bytes are staging's: one 100-byte reference fits beside it"
+
+
+def test_a_key_recorded_not_to_keep_gets_no_memory_whenever_it_was_wanted() -> None:
+    """A tensor too large for its save's delta (or one ``auto`` gave up on) is recorded with
+    ``keep=False``. Memory an earlier, failed save asked for it, or memory a background pass brings
+    it after that record, is freed at the commit: otherwise it would be held for nothing and make
+    the next save full (``wants_full_save``)."""
+    store = _store(device_budget=1000, host_budget=1000)
+
+    def full_save(step: int, keep_big: bool) -> None:
+        store.begin(step)
+        store.record("a", _bytes(step, 100))
+        store.record("big", _bytes(step + 100, 300), keep=keep_big)
+
+    full_save(1, keep_big=False)
+    store.commit(1, "1" * 64, has_reference=False)
+    assert store.wait_prepared(30)
+    full_save(2, keep_big=False)
+    store.commit(2, "2" * 64, has_reference=False)
+    assert store.wait_prepared(30) and store.device_bytes == 100
+    # Save 3, a delta against save 2, wants memory for "big" (a larger budget then), and fails.
+    assert store.begin(3) is not None
+    store.freeze(True)
+    store.record("big", _bytes(3, 300))
+    store.invalidate()
+    full_save(4, keep_big=False)  # the budget is small again
+    store.commit(4, "4" * 64, has_reference=False)
+    assert store.wait_prepared(30)
+    assert store.device_bytes + store.host_bytes == 100 and not store.wants_full_save()
+    # A background pass that brings "big" memory after save 5 recorded it not to keep.
+    full_save(5, keep_big=False)
+    store.reserve({"big": 300})
+    assert store.wait_prepared(30) and store.wants_full_save()
+    store.commit(5, "5" * 64, has_reference=False)
+    assert store.wait_prepared(30)
+    assert store.device_bytes + store.host_bytes == 100 and not store.wants_full_save()
+    store.close()
+
+
+@pytest.mark.parametrize("full_save_limit", ["low", "high"])
+def test_a_delta_limit_moving_between_saves_forces_no_full_save_and_no_stale_reference(full_save_limit: str) -> None:
+    """The GPU compressor's own reference bookkeeping (``_delta_forms``, ``_record_references``) with
+    the real writer and store, over a chain whose delta size limit (re-read from free GPU memory at
+    every save) alternates below and above a large tensor. The chain stays one chain once started
+    (before, a limit that moved brought a full save every other save), every reference used is the
+    full save's bytes, and the large tensor holds memory only if the full save could take its delta."""
+    from asyncckpt._delta_encode import reference_name
+    from asyncckpt._gpu.pipeline import _delta_forms, _record_references
+
+    store = _store(device_budget=10**6, host_budget=10**6)
+    writer = DeltaWriter(store, "on", 100, 10**6, "full")
+    state = {"small": _bytes(1, 1000), "big": _bytes(2, 4000)}
+    low, high = 2000, 5000  # "big" (4000 bytes) is over the low limit, under the high one
+    first_low = full_save_limit == "low"
+    full_saves, base_bytes, limits = [], {}, {}
+    for step in range(1, 13):
+        state = {key: raw.clone() for key, raw in state.items()}
+        for raw in state.values():
+            raw[step] ^= 1
+        session = writer.begin(step)
+        session.max_delta_bytes = limits[step] = (
+            low if (step % 2 == 0) == first_low else high
+        )  # save 2's: the parameter
+        staged = {key: StagedTensor(key, torch.uint8, (raw.numel(),), CPU, raw) for key, raw in state.items()}
+        if session.base is None:
+            full_saves.append(step)
+        for key, raw in state.items():
+            forms = _delta_forms(session, staged[key], raw)
+            if forms:
+                held = store.reference(reference_name(key, torch.uint8), raw.numel())
+                assert held is not None and torch.equal(held, base_bytes[key]), f"save {step}: {key}'s reference"
+                session.deltas += 1
+        _record_references(session, list(enumerate(staged.values())), list(state.values()))
+        if session.base is None:
+            base_bytes = {key: raw.clone() for key, raw in state.items()}
+        reference = session.reference
+        session.committed(step, f"{step:064x}", reference is not None)
+        assert store.wait_prepared(timeout_seconds=30)
+    # Save 2 is full as every chain's first (the memory save 1 asked for has come). With save 2's
+    # limit high and save 1's low, save 2 asks memory for "big", so save 3 is full once more to fill
+    # it (as for any key a full save could not keep); then the chain holds whatever the limit does.
+    assert full_saves == ([1, 2] if first_low else [1, 2, 3]), full_saves
+    big_held = store.reference(reference_name("big", torch.uint8), 4000) is not None
+    assert big_held == (limits[full_saves[-1]] == high)  # held only if the chain's full save could delta it
+    store.close()

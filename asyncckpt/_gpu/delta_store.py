@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._delta_reference import HostReferenceStore
+from .._delta_reference import Base, HostReferenceStore
 from .pinned_pool import PinnedBlock, allocate_block, free_block
 
 __all__ = ["DeviceReferenceStore"]
@@ -102,6 +102,14 @@ class DeviceReferenceStore(HostReferenceStore):
         self._retired: list[_Memory] = []
         """Memory given up, freed by the next background pass (its last copy may still be queued)."""
         self._preparing: threading.Thread | None = None
+        self._not_kept: set[str] = set()
+        """Keys the save being encoded recorded with ``keep=False``: spare memory that reaches one
+        of them (a background pass that was already running) is freed at its commit."""
+
+    def begin(self, step: int) -> Base | None:
+        with self._lock:
+            self._not_kept = set()
+            return super().begin(step)
 
     # ------------------------------------------------------------------ compressor thread
     def reference(self, key: str, raw_bytes: int) -> torch.Tensor | None:
@@ -124,6 +132,9 @@ class DeviceReferenceStore(HostReferenceStore):
             if keep and held is not None and held.numel() == nbytes:
                 held.copy_(raw, non_blocking=True)
                 return
+            if not keep:  # wanted by an earlier save (one that failed): not any more
+                self._wanted.pop(key, None)
+                self._not_kept.add(key)
             self._drop(key)
             spare = self._spare.pop(key, None)
             if spare is not None and (not keep or spare.data.numel() != nbytes):
@@ -149,8 +160,8 @@ class DeviceReferenceStore(HostReferenceStore):
             super().commit(step, manifest_sha256, has_reference)
             if valid and not frozen:
                 # Spare memory of a key this save did not record (it left the state, or changed dtype
-                # after a failed save) would be held for good: free it.
-                for key in [k for k in self._spare if k not in self._touched]:
+                # after a failed save) or recorded as not to keep would be held for good: free it.
+                for key in [k for k in self._spare if k not in self._touched or k in self._not_kept]:
                     self._retired.append(self._spare.pop(key))
         self._start_preparing()
 

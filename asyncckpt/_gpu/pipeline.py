@@ -732,16 +732,25 @@ def _settle_delta(session: DeltaSave, staged: StagedTensor, candidates: list[_Op
 def _record_references(session: DeltaSave, items: list[tuple[int, StagedTensor]], sources: list[torch.Tensor]) -> None:
     """Copy each tensor's bytes into the reference store, on the current stream (after the kernels
     that read the old references). A key ``auto`` gave up on is dropped instead, and so is one
-    over this save's ``max_delta_bytes``: its delta forms have no scratch at this budget, and its
-    reference would hold memory (tens of GB of pinned host memory on a full GPU) for nothing. A
-    dropped key has no reference, never a stale one; it gets one again at a full save with room."""
+    over this save's ``max_delta_bytes`` in a save that copies references: its delta forms have no
+    scratch at this budget, and its reference would hold memory (tens of GB of pinned host memory on
+    a full GPU) for nothing. A dropped key has no reference, never a stale one. A delta save against
+    the chain's full save neither drops nor asks memory for a key over its own limit or dropped so
+    by the full save (``DeltaWriter.too_large``): the budget is re-read at every save, and a limit
+    that moved would otherwise have memory come for the key, and with it a full save
+    (``wants_full_save``), which could drop it again."""
     writer, limit = session.writer, session.max_delta_bytes
     for (_index, staged), source in zip(items, sources, strict=True):
         name = session.reference_key(staged)
-        if name is not None:
-            gave_up = writer.mode == "auto" and name in writer.losers
-            too_large = limit is not None and source.numel() > limit
-            writer.store.record(name, source, keep=not (gave_up or too_large))
+        if name is None:
+            continue
+        too_large = limit is not None and source.numel() > limit
+        if session.against_full_save and (too_large or name in writer.too_large):
+            continue  # the full save's bytes stay as they are, or the key has none
+        if too_large:
+            writer.too_large.add(name)
+        gave_up = writer.mode == "auto" and name in writer.losers
+        writer.store.record(name, source, keep=not (gave_up or too_large))
 
 
 def _raw_blob(index: int, data: torch.Tensor, stats: CompressStats) -> tuple[int, EncodedBlob]:

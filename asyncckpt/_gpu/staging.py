@@ -39,6 +39,7 @@ from .._snapshot import HostStager
 from .._tree import FlatState
 from . import fence as fence
 from .budget import (
+    NO_LIMIT,
     StagingPlan,
     default_gpu_budget,
     fenced_instead,
@@ -393,6 +394,11 @@ class GpuStager:
                                   daemon=True)  # fmt: skip
         thread.start()
         return thread
+
+    def delta_limit(self, flat: FlatState) -> int | None:
+        tensors = flat.leaf_tensors
+        limit = self._plan(tensors, [t.is_cuda for t in tensors]).max_delta_bytes
+        return None if limit >= NO_LIMIT else limit
 
     def host_staging_bytes(self) -> int:
         """The raw host arena's bytes plus the pinned blocks for compressed bytes. Any thread."""

@@ -115,4 +115,10 @@ class Stager(Protocol):
         budget). Any thread."""
         ...
 
+    def delta_limit(self, flat: FlatState) -> int | None:
+        """The largest tensor, in bytes, a save of ``flat`` planned now could take a delta of (its
+        scratch allows the delta forms); None: no limit. What ``preallocate`` reserves reference
+        memory for. Any thread; reads only tensor sizes."""
+        ...
+
     def close(self) -> None: ...

@@ -233,6 +233,9 @@ class HostStager:
         """Host bytes the arena's slots hold (any thread)."""
         return sum(self._slot_bytes.values())
 
+    def delta_limit(self, flat: FlatState) -> int | None:
+        return None  # a host copy takes a delta of any tensor (no GPU scratch to share)
+
     def host_staging_bytes(self) -> int:
         return self.allocated_bytes()
 
