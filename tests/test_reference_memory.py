@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from asyncckpt._codecs.zstd import ZstdCodec
@@ -349,4 +349,49 @@ def test_a_delta_limit_moving_between_saves_forces_no_full_save_and_no_stale_ref
     assert full_saves == ([1, 2] if first_low else [1, 2, 3]), full_saves
     big_held = store.reference(reference_name("big", torch.uint8), 4000) is not None
     assert big_held == (limits[full_saves[-1]] == high)  # held only if the chain's full save could delta it
+    store.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_references_stay_the_base_under_any_delta_limits_failures_and_policy(data: st.DataObject) -> None:
+    """Searched: the compressor's bookkeeping (``_delta_forms``, ``_record_references``) with the real
+    writer and store, a delta size limit drawn per save (the budget is re-read at every save), saves
+    that fail, either reference policy, and tight memory budgets. Every reference a delta is taken
+    against is the bytes of the save it names as base, and the budgets hold."""
+    from asyncckpt._delta_encode import reference_name
+    from asyncckpt._gpu.pipeline import _delta_forms, _record_references
+
+    policy = data.draw(st.sampled_from(["full", "previous"]), label="policy")
+    store = _store(data.draw(st.integers(0, 3000), label="device budget"),
+                   data.draw(st.integers(0, 3000), label="host budget"))  # fmt: skip
+    writer = DeltaWriter(store, "on", data.draw(st.integers(2, 5), label="K"), 10**6, policy)
+    sizes = {"a": 100, "b": 400, "c": 1000}
+    state = {key: _bytes(i, n) for i, (key, n) in enumerate(sizes.items())}
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    deltas = 0
+    for step in range(1, data.draw(st.integers(2, 10), label="saves") + 1):
+        state = {key: raw.clone() for key, raw in state.items()}
+        for raw in state.values():
+            raw[step % raw.numel()] ^= 1
+        session = writer.begin(step)
+        session.max_delta_bytes = data.draw(st.sampled_from([None, 150, 500, 2000]), label=f"limit {step}")
+        staged = {key: StagedTensor(key, torch.uint8, (raw.numel(),), CPU, raw) for key, raw in state.items()}
+        for key, raw in state.items():
+            if _delta_forms(session, staged[key], raw):
+                assert session.base is not None
+                held = store.reference(reference_name(key, torch.uint8), raw.numel())
+                assert held is not None and torch.equal(held, saved[session.base.step][key]), (step, key)
+                session.deltas += 1
+                deltas += 1
+        _record_references(session, list(enumerate(staged.values())), list(state.values()))
+        if data.draw(st.sampled_from([False, False, False, True]), label=f"save {step} fails"):
+            writer.invalidate()
+        else:
+            saved[step] = {key: raw.clone() for key, raw in state.items()}
+            reference = session.reference
+            session.committed(step, f"{step:064x}", reference is not None)
+        assert store.wait_prepared(timeout_seconds=30)
+        assert store.device_bytes <= store.device_budget_bytes and store.host_bytes <= store.budget_bytes
+    event(f"deltas taken: {'some' if deltas else 'none'}")  # the search covers both (--hypothesis-show-statistics)
     store.close()
