@@ -185,10 +185,9 @@ class PinnedPool:
         with self._lock:
             self._pending.extend(sizes)
             self._pinning += 1
-        stopped = threading.Event()
 
         def pin_next() -> None:
-            while not stopped.is_set():
+            while True:
                 with self._lock:
                     if not self._pending:
                         return
@@ -205,8 +204,7 @@ class PinnedPool:
                         else:
                             self._pending.clear()  # the budget is spent: a waiting acquire goes on at once
                         self._arrived.notify_all()
-                if block is None:
-                    stopped.set()
+                if block is None:  # the budget is spent; pending was cleared, so the other threads stop too
                     log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
                              self.budget_bytes)  # fmt: skip
                     return
