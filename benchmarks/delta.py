@@ -64,7 +64,7 @@ from .common import (
     write_report,
 )
 from .compression import library_encoders, plane_entropy
-from .methods import reference_store
+from .methods import reference_bytes, references_settled
 
 CLASSES = ("weights", "weights_bf16", "exp_avg", "exp_avg_sq")
 """Tensor classes measured; the whole state is FP32 weights + both moments (what a checkpoint holds)."""
@@ -218,18 +218,15 @@ def _save_while_training(ckpt: asyncckpt.AsyncCheckpointer, work: Workload, base
     state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
     synchronize(work.device)
     began = time.perf_counter()
-    store = reference_store(ckpt)
-    wait = getattr(store, "wait_prepared", None)  # the GPU path allocates references after a commit
-    settled = None if wait is None else lambda: bool(wait(0))
+    settled = references_settled(ckpt)  # the GPU path allocates references after a commit
     before = _allocator_counts(work.device)
     handle, cost = train_while_saving(work, lambda: ckpt.save(work.steps_done, state), baseline, settled)
     result = handle.result()
     cost["allocator"] = {name: n - before[name] for name, n in _allocator_counts(work.device).items()}
-    held = {name: int(getattr(store, name)) for name in ("device_bytes", "host_bytes") if hasattr(store, name)}
     return {"step": result.step, "durable_seconds": time.perf_counter() - began, **cost,
             "stored_bytes": result.stored_bytes, "raw_bytes": result.raw_bytes,
             **({"snapshot_mode": result.snapshot_mode} if work.device.type == "cuda" else {}),
-            **{f"reference_{name}": value for name, value in held.items()}}  # fmt: skip
+            **reference_bytes(ckpt)}  # fmt: skip
 
 
 def restore_read_bytes(directory: Path, step: int) -> int:
@@ -280,7 +277,7 @@ def run_chain(args: argparse.Namespace, config: WorkloadConfig, progress: Progre
             state = {"model": work.model.state_dict(), "optim": work.optimizer.state_dict()}
             for ckpt in ckpts.values():
                 ckpt.preallocate(state).join()
-        deferred = any(hasattr(reference_store(c), "wait_prepared") for c in ckpts.values())
+        deferred = any(references_settled(c) is not None for c in ckpts.values())
         saves_count = args.chain + (1 if deferred and not args.preallocate else 0)
         for i in range(saves_count):
             work.train(args.save_every)

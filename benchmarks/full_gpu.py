@@ -93,7 +93,7 @@ def fill_gpu(device: torch.device, leave_bytes: int) -> torch.Tensor | None:
 
 
 REPORTED_DETAILS = ("snapshot_mode", "snapshot_reason", "io_mode", "gate_seconds", "spilled_bytes", "compress_notes",
-                    "raw_bytes", "reference_device_bytes", "reference_host_bytes")  # fmt: skip
+                    "result_raw_bytes", "reference_device_bytes", "reference_host_bytes")  # fmt: skip
 """What a row keeps of an asyncckpt save's details."""
 
 
@@ -231,7 +231,8 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
 
 def stored_cell(row: dict[str, Any]) -> str:
     """Stored bytes, with the ratio where the checkpointer reported the raw bytes."""
-    ratio = f" ({row['raw_bytes'] / row['stored_bytes']:.3f}x)" if row.get("raw_bytes") and row["stored_bytes"] else ""
+    raw = row.get("result_raw_bytes")
+    ratio = f" ({raw / row['stored_bytes']:.3f}x)" if raw and row["stored_bytes"] else ""
     return fmt_bytes(row["stored_bytes"]) + ratio
 
 

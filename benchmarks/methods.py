@@ -209,6 +209,21 @@ def reference_store(checkpointer: Any) -> object:
     return None if delta is None else delta.store
 
 
+def references_settled(checkpointer: Any) -> Callable[[], bool] | None:
+    """With delta on the GPU path: whether the reference memory the last save asked for is allocated
+    (a background thread allocates it after the commit, while training runs). None otherwise."""
+    wait = getattr(reference_store(checkpointer), "wait_prepared", None)
+    return None if wait is None else lambda: bool(wait(0))
+
+
+def reference_bytes(checkpointer: Any) -> dict[str, int]:
+    """``reference_device_bytes`` / ``reference_host_bytes``: where the delta references are held
+    (only the GPU path's store tells the two apart; empty otherwise)."""
+    store = reference_store(checkpointer)
+    return {f"reference_{name}": int(getattr(store, name)) for name in ("device_bytes", "host_bytes")
+            if hasattr(store, name)}  # fmt: skip
+
+
 class Asyncckpt(Method):
     """asyncckpt's :class:`~asyncckpt.AsyncCheckpointer` with one snapshot mode and codec."""
 
@@ -235,14 +250,11 @@ class Asyncckpt(Method):
                                                max_inflight=1, delta="on" if self.delta else "off")  # fmt: skip
 
     def settled(self) -> Callable[[], bool] | None:
-        """With delta on the GPU path: whether the reference memory the last save asked for is allocated
-        (a background thread allocates it after the commit, while training runs). None otherwise."""
-        wait = getattr(reference_store(self._checkpointer), "wait_prepared", None)
-        return None if wait is None else lambda: bool(wait(0))
+        """:func:`references_settled` of this method's checkpointer."""
+        return references_settled(self._checkpointer)
 
     def save(self, step: int, state: dict[str, Any]) -> Pending:
         handle = self._checkpointer.save(step, state)
-        store = reference_store(self._checkpointer)
 
         def finish() -> Finished:
             result = handle.result()
@@ -250,9 +262,8 @@ class Asyncckpt(Method):
                        "snapshot_mode": result.snapshot_mode, "snapshot_reason": result.snapshot_reason,
                        "io_mode": result.io_mode, "codecs": dict(result.codecs),
                        "stage_seconds": dict(result.stage_seconds)}  # fmt: skip
-            details["stored_bytes"], details["raw_bytes"] = result.stored_bytes, result.raw_bytes
-            details.update({f"reference_{name}": int(getattr(store, name))
-                            for name in ("device_bytes", "host_bytes") if hasattr(store, name)})  # fmt: skip
+            # Not "raw_bytes": the stall benchmark spreads these details over its own sample's fields.
+            details.update(result_raw_bytes=result.raw_bytes, **reference_bytes(self._checkpointer))
             history = getattr(self._checkpointer._backend.encoder, "history", None)  # the GPU compressor's
             if history:
                 stats = history[-1]
