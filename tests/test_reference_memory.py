@@ -77,6 +77,27 @@ def test_device_memory_first_then_host_then_nothing() -> None:
     assert len(on_device) == 2
 
 
+def test_references_given_up_for_a_shrunk_budget_come_back_in_host_memory() -> None:
+    """The stager gives up the GPU references when a save's budget shrank under them: their memory
+    is freed at once, those tensors are stored in full in that save, and once it has committed the
+    background pass finds them memory within the new budget (here host memory only)."""
+    store = _store(device_budget=250, host_budget=1000)
+    state = {"a": _bytes(1, 100), "b": _bytes(2, 100), "c": _bytes(3, 100)}
+    for step in (1, 2):
+        _save(store, step, state)
+    assert (store.device_bytes, store.host_bytes) == (200, 100)
+    on_device = {key for key, memory in store._memory.items() if memory.block is None}
+    assert store.give_up_device_memory() == 200 and store.device_bytes == 0
+    store.device_budget_bytes = 0
+    found = _save(store, 3, state)
+    assert {key for key, ref in found.items() if ref is None} == on_device, "only the given-up keys lost theirs"
+    assert (store.device_bytes, store.host_bytes) == (0, 300), "they came back on the host"
+    _save(store, 4, state)  # records into the memory that came after save 3, as after a first save
+    found = _save(store, 5, state)
+    assert all(ref is not None and torch.equal(ref, state[key]) for key, ref in found.items())
+    store.close()
+
+
 def test_a_failed_save_keeps_the_memory_and_pins_nothing_again() -> None:
     store = _store(device_budget=0, host_budget=1000)
     state = {"a": _bytes(1, 100), "b": _bytes(2, 200)}
@@ -117,6 +138,15 @@ def test_references_are_always_the_committed_base_and_budgets_hold(data: st.Data
     """The bytes of the last committed save since the last failure (what a reference must equal)."""
     seed = 0
     for step in range(1, data.draw(st.integers(1, 9), label="saves") + 1):
+        # What the stager does at each save: the device budget becomes what is held plus the plan's
+        # room, or, when the budget shrank under the references, they give their memory up first.
+        replan = data.draw(st.sampled_from(["same", "same", "room", "give up"]), label=f"plan of save {step}")
+        if replan == "give up":
+            held = store.device_bytes
+            assert store.give_up_device_memory() == held and store.device_bytes == 0
+        if replan != "same":
+            device_budget = store.device_bytes + data.draw(st.integers(0, 120), label=f"room at save {step}")
+            store.device_budget_bytes = device_budget
         base = store.begin(step)
         frozen = base is not None and data.draw(st.booleans(), label=f"save {step} is a delta against the full save")
         store.freeze(frozen)

@@ -49,13 +49,16 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
     )
     encoder.delta = build_delta_writer(
         options,
-        lambda host_budget: DeviceReferenceStore(device, host_budget, options.gpu_staging_budget_bytes, encoder.stream),
+        lambda host_budget: DeviceReferenceStore(device, host_budget, stream=encoder.stream),
     )
     if encoder.delta is not None:
         stager.forms_per_tensor = DELTA_SCRATCH_FACTOR
         store = encoder.delta.store
         if isinstance(store, DeviceReferenceStore):  # references are recorded only for what is compressed
             store.min_record_bytes = MIN_COMPRESS_BYTES if options.codec != "none" else NO_RECORDS
+            # One GPU budget: the stager gives the references what its plans leave (budget.reference_room).
+            store.device_budget_bytes = 0
+            stager.references = store
     backend = Backend(stager=stager, encoder=encoder, storage=storage, snapshot_mode=options.snapshot,
                       delta=encoder.delta)  # fmt: skip
     stager.on_mode = backend.set_snapshot_mode  # decided per save, from the memory measured then

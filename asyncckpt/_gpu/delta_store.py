@@ -8,9 +8,12 @@ memory is allocated.
 
 Where:
 
-* in GPU memory, up to ``device_budget_bytes`` (default: a quarter of the GPU memory free when
-  the first reference memory is allocated). A delta then costs one elementwise kernel and the
-  update one device-to-device copy (~2 TB/s on an H200);
+* in GPU memory, up to ``device_budget_bytes``. On the GPU path the stager sets it at every save
+  to what the references hold plus the room that save's plan leaves in the one GPU budget
+  (``gpu_staging_budget_bytes``; :func:`~asyncckpt._gpu.budget.reference_room`), so references
+  never cost a save its mode or compression; a store used without a stager (the CPU tests) takes a
+  quarter of the GPU memory free when it first allocates. A delta then costs one elementwise
+  kernel and the update one device-to-device copy (~2 TB/s on an H200);
 * past that, in pinned host memory (:func:`~asyncckpt._gpu.pinned_pool.allocate_block`: exact
   sizes, not torch's power-of-two blocks), up to ``host_budget_bytes``: the compressor uploads
   the reference to compute the delta and copies the new bytes back, both on its stream (~50 GB/s
@@ -102,6 +105,8 @@ class DeviceReferenceStore(HostReferenceStore):
         self._retired: list[_Memory] = []
         """Memory given up, freed by the next background pass (its last copy may still be queued)."""
         self._preparing: threading.Thread | None = None
+        self._given_up = 0
+        """GPU bytes :meth:`give_up_device_memory` is freeing (under the lock)."""
         self._not_kept: set[str] = set()
         """Keys the save being encoded recorded with ``keep=False``: spare memory that reaches one
         of them (a background pass that was already running) is freed at its commit."""
@@ -152,6 +157,29 @@ class DeviceReferenceStore(HostReferenceStore):
     def wants_full_save(self) -> bool:
         with self._lock:
             return bool(self._spare)
+
+    # ------------------------------------------------------------------ training thread, in save()
+    def give_up_device_memory(self) -> int:
+        """Forget every reference held on the GPU and free that memory (spare and retired too) now, for
+        a save whose budget shrank under it; returns the bytes freed. Those tensors are stored in
+        full until the next background pass finds them memory within the new budget.
+
+        Freed at once, not retired to the next pass: the memory came from PyTorch's caching allocator
+        for the compressor stream, which orders its reuse after the copies still queued there (and
+        a copy the compressor has in hand keeps its tensor alive), and the save asking for it is
+        about to allocate its scratch on that stream."""
+        with self._lock:
+            on_device = [key for key, memory in self._memory.items() if memory.block is None]
+            for key in on_device:
+                super()._drop(key)  # not self._drop: that would retire the memory, not free it
+                self._free_counted(self._memory.pop(key))
+            for key in [key for key, memory in self._spare.items() if memory.block is None]:
+                self._free_counted(self._spare.pop(key))
+            for memory in [memory for memory in self._retired if memory.block is None]:
+                self._retired.remove(memory)
+                self._free_counted(memory)
+            freed, self._given_up = self._given_up, 0
+        return freed
 
     # ------------------------------------------------------------------ worker thread
     def commit(self, step: int, manifest_sha256: str, has_reference: bool) -> None:
@@ -279,6 +307,13 @@ class DeviceReferenceStore(HostReferenceStore):
                 self.host_bytes -= nbytes
             else:
                 self.device_bytes -= nbytes
+        memory.data = torch.empty(0, dtype=torch.uint8)
+
+    def _free_counted(self, memory: _Memory) -> None:
+        """Store lock held: drop GPU ``memory`` (back to the caching allocator) and its count."""
+        nbytes = int(memory.data.numel())
+        self.device_bytes -= nbytes
+        self._given_up += nbytes
         memory.data = torch.empty(0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ any thread, store lock held

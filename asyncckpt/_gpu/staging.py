@@ -26,11 +26,13 @@ decides, at every save, from the free memory measured then, and says why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -45,6 +47,7 @@ from .budget import (
     fenced_instead,
     plan_groups,
     plan_staging,
+    reference_room,
     scratch_of,
     with_delta_limit,
 )
@@ -205,6 +208,20 @@ class DeviceArena:
         self._views.clear()
 
 
+class ReferenceMemory(Protocol):
+    """The GPU side of a delta reference store, as the stager budgets it
+    (:class:`~asyncckpt._gpu.delta_store.DeviceReferenceStore`)."""
+
+    device_bytes: int
+    """GPU bytes the references hold now."""
+    device_budget_bytes: int | None
+    """GPU bytes they may hold: set by every plan to what they hold plus the room it leaves."""
+
+    def give_up_device_memory(self) -> int:
+        """Forget the references held on the GPU and free their memory now; the bytes freed."""
+        ...
+
+
 class GpuStager:
     """Stages CUDA tensors per the snapshot mode; hands every snapshot to the compressor at once."""
 
@@ -246,6 +263,9 @@ class GpuStager:
         than a group is encoded alone, so its scratch counts this many times."""
         self.on_mode: Callable[[str, str], None] | None = None
         """Told the mode of each save and why (:class:`~asyncckpt._gpu.budget.StagingPlan`) before stage() returns."""
+        self.references: ReferenceMemory | None = None
+        """A delta checkpointer's reference store (set by the backend): its GPU memory is part of
+        the one GPU budget, and gets only what the staging leaves (:meth:`_plan`)."""
 
     # ---------------------------------------------------------------- training thread
     def stage(self, flat: FlatState) -> GpuSnapshot:
@@ -307,18 +327,46 @@ class GpuStager:
     def _plan(self, tensors: Sequence[torch.Tensor], here: Sequence[bool]) -> StagingPlan:
         """Decide this save's mode and memory from what is measured now (training thread).
 
-        The default budget re-reads free GPU memory at every save: training's own use moves."""
+        The default budget re-reads free GPU memory at every save: training's own use moves. Delta
+        references held on the GPU stay allocated, like the arena, so they are counted as held and
+        the staging is planned with the rest of the budget; they may then grow into the room that
+        plan leaves (:func:`~asyncckpt._gpu.budget.reference_room`), which never changes the next
+        plan's mode or compression. If the budget shrank under them (training took memory, or the
+        user lowered it), they give their memory up rather than cost this save its mode."""
         device_bytes = largest = 0
         for t, on in zip(tensors, here, strict=True):
             if on:
                 n = t.nbytes
                 device_bytes += n
                 largest = max(largest, n)
+        references = self.references
+        held = references.device_bytes if references is not None else 0
         budget = self.gpu_budget_bytes
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
             # The compressor's cached scratch is reused by the next save, so it counts as available.
-            budget = default_gpu_budget(free + self._granted_bytes, self.arena.allocated_bytes)
+            budget = default_gpu_budget(free + self._granted_bytes, self.arena.allocated_bytes) + held
+        plan = self._plan_within(budget - held, device_bytes, largest)
+        if held and references is not None:
+            without = self._plan_within(budget, device_bytes, largest)
+            if _worse(plan, without, largest):
+                freed = references.give_up_device_memory()
+                log.info("asyncckpt: the GPU budget shrank under the delta references: %d bytes of them given "
+                         "up (their tensors are stored in full until memory comes back)", freed)  # fmt: skip
+                plan, held = without, references.device_bytes
+            else:
+                plan = dataclasses.replace(plan, reason=f"{plan.reason} ({held} bytes of the budget hold delta "
+                                                        "references)")  # fmt: skip
+        if references is not None:
+            arena = self.arena.allocated_bytes
+            room = reference_room(plan, device_bytes, arena, self.slots, largest, self.forms_per_tensor)
+            references.device_budget_bytes = held + room
+        if plan.mode != "host":
+            granted = scratch_of(plan) + plan.resident_bytes
+            self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))
+        return plan
+
+    def _plan_within(self, budget: int, device_bytes: int, largest: int) -> StagingPlan:
         plan = plan_staging(
             self.mode,
             device_bytes,
@@ -329,11 +377,7 @@ class GpuStager:
             self.window_bytes,
             self.fence_allowed,
         )
-        plan = with_delta_limit(plan, self.forms_per_tensor, largest, self.slots)
-        if plan.mode != "host":
-            granted = scratch_of(plan) + plan.resident_bytes
-            self._granted_bytes = max(self._granted_bytes, min(granted, plan.budget_bytes))
-        return plan
+        return with_delta_limit(plan, self.forms_per_tensor, largest, self.slots)
 
     def _to_arena(self, indices: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
                   acquired: ArenaSlot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
@@ -408,6 +452,15 @@ class GpuStager:
         self.arena.close()
         self.host.close()
         self.pool.close()
+
+
+def _worse(plan: StagingPlan, than: StagingPlan, largest_tensor_bytes: int) -> bool:
+    """Whether ``plan`` runs another mode than ``than``, compresses less, or takes fewer deltas."""
+    return (
+        plan.mode != than.mode
+        or plan.max_compress_bytes < than.max_compress_bytes
+        or plan.max_delta_bytes < min(largest_tensor_bytes, than.max_delta_bytes)
+    )
 
 
 def spilled_group_sizes(sizes: Sequence[int], group_bytes: int, total_bytes: int) -> list[int]:
