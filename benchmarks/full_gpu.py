@@ -107,7 +107,7 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     if work.device.type == "cuda":
         torch.cuda.synchronize(work.device)
     gpu_before, host_before = sampler.reset()
-    torch_before = torch_reserved_peak(work.device, reset=True)
+    torch_before, torch_live_before = torch_peaks(work.device, reset=True)
     settled = method.settled() if isinstance(method, Asyncckpt) else None
     pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline, settled)
     finished = pending.finish()
@@ -119,7 +119,10 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
         # torch's caching allocator alone (training's and the save's tensors); the driver-reported
         # figure above less this is what others allocated: nvCOMP, KvikIO, CUDA modules loading.
-        "extra_gpu_torch_bytes": max(0, torch_reserved_peak(work.device) - torch_before),
+        "extra_gpu_torch_bytes": max(0, torch_peaks(work.device)[0] - torch_before),
+        # Of that, what live tensors peaked at: the rest is memory the allocator cached but could not
+        # reuse (blocks cached for another stream, or split to other sizes).
+        "extra_gpu_torch_live_bytes": max(0, torch_peaks(work.device)[1] - torch_live_before),
         "extra_host_bytes": max(0, host_peak - host_before),
         "host_rss_before_bytes": host_before,
         **{k: v for k, v in finished.details.items() if k in REPORTED_DETAILS},
@@ -129,14 +132,14 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     return row
 
 
-def torch_reserved_peak(device: torch.device, reset: bool = False) -> int:
-    """Peak bytes torch's caching allocator reserved on ``device`` since the last reset (then
-    restarted from now, with ``reset``); 0 off the GPU."""
+def torch_peaks(device: torch.device, reset: bool = False) -> tuple[int, int]:
+    """Peak bytes torch's caching allocator reserved on ``device``, and peak bytes of live tensors,
+    since the last reset (then restarted from now, with ``reset``); zeros off the GPU."""
     if device.type != "cuda":
-        return 0
+        return 0, 0
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
-    return int(torch.cuda.max_memory_reserved(device))
+    return int(torch.cuda.max_memory_reserved(device)), int(torch.cuda.max_memory_allocated(device))
 
 
 def disk_short_for(scratch: Path, rows: list[dict[str, Any]]) -> str:
@@ -237,9 +240,14 @@ def stored_cell(row: dict[str, Any]) -> str:
 
 
 def torch_share(row: dict[str, Any]) -> str:
-    """`` (x torch)``: how much of a GPU row's extra memory torch's allocator reserved ('' on the CPU)."""
+    """`` (x torch, y live)``: how much of a GPU row's extra memory torch's allocator reserved, and how
+    much of that its live tensors peaked at ('' on the CPU)."""
     torch_bytes = row.get("extra_gpu_torch_bytes")
-    return f" ({fmt_bytes(torch_bytes)} torch)" if torch_bytes else ""
+    if not torch_bytes:
+        return ""
+    live = row.get("extra_gpu_torch_live_bytes")
+    live_note = f", {fmt_bytes(live)} live" if live is not None else ""
+    return f" ({fmt_bytes(torch_bytes)} torch{live_note})"
 
 
 def references_note(row: dict[str, Any]) -> str:
