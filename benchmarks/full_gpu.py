@@ -142,6 +142,18 @@ def torch_peaks(device: torch.device, reset: bool = False) -> tuple[int, int]:
     return int(torch.cuda.max_memory_reserved(device)), int(torch.cuda.max_memory_allocated(device))
 
 
+def step_live_bytes(work: Workload) -> int:
+    """What one training step's own tensors (activations, gradients) add to torch's live bytes at
+    their peak: the part of a save row's live figure that is training's, not the save's."""
+    if work.device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(work.device)
+    _, before = torch_peaks(work.device, reset=True)
+    work.step()
+    torch.cuda.synchronize(work.device)
+    return max(0, torch_peaks(work.device)[1] - before)
+
+
 def disk_short_for(scratch: Path, rows: list[dict[str, Any]]) -> str:
     """Why the next save of a delta method, whose earlier saves are ``rows``, would not fit the disk
     under ``scratch`` ('' if it would): its full saves stay on disk as the chain's base, and the next
@@ -179,11 +191,14 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
     filler = fill_gpu(device, int(args.gpu_free_gb * 1e9))
     free_after_fill = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     baseline = statistics.median([baseline, *(work.step() for _ in range(3))])
-    progress.say(f"baseline step {fmt_seconds(baseline)}; GPU free {fmt_bytes(free_after_fill)}")
+    step_live = step_live_bytes(work)
+    progress.say(f"baseline step {fmt_seconds(baseline)} (its live tensors {fmt_bytes(step_live)}); "
+                 f"GPU free {fmt_bytes(free_after_fill)}")  # fmt: skip
     sampler = MemorySampler(device)
     rows: list[dict[str, Any]] = []
     result = {"width": width, "layers": layers, "parameters": work.parameters, "state_bytes": state_bytes,
               "baseline_step_seconds": baseline, "gpu_free_after_fill_bytes": free_after_fill,
+              "step_live_bytes": step_live,
               "rows": rows}  # fmt: skip
     step = 0
     names = args.methods.split(",") + (["asyncckpt:auto:auto+preallocate"] if args.preallocate else [])
@@ -272,7 +287,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## {size['parameters'] / 1e9:.2f}B parameters ({size['width']}x{size['layers']}), "
             f"{fmt_bytes(size['state_bytes'])} of weights + AdamW state; baseline step "
-            f"{fmt_seconds(size['baseline_step_seconds'])}",
+            f"{fmt_seconds(size['baseline_step_seconds'])}"
+            + (
+                f" (a step's own live tensors: {fmt_bytes(size['step_live_bytes'])})"
+                if size.get("step_live_bytes")
+                else ""
+            ),
             "",
             "| method | save | save() call | fence held | training time lost | durable | stored "
             "| extra GPU (of it torch's) | extra host | mode |",
