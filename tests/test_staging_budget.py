@@ -210,6 +210,57 @@ def test_pinned_pool_reserve_runs_in_the_background_and_is_reused() -> None:
     pool.close()
 
 
+def _max_fitting_matches(sizes: list[int], blocks: list[int]) -> int:
+    """How many of ``sizes`` distinct ``blocks`` can hold at most, by trying every assignment."""
+    best = 0
+    for order in itertools.permutations(range(len(blocks))):
+        matched = sum(1 for size, b in zip(sizes, order, strict=False) if size <= blocks[b])
+        best = max(best, matched)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    free=st.lists(st.integers(1, 8), max_size=4),
+    sizes=st.lists(st.integers(1, 8), max_size=5),
+)
+def test_cover_pins_exactly_the_blocks_the_free_ones_cannot_stand_in_for(free: list[int], sizes: list[int]) -> None:
+    """``cover`` (what a spilling fence save calls after its first group): afterwards every size has
+    a free block of its own that fits, and no more blocks were pinned than the free ones could not
+    cover (checked against every assignment of sizes to blocks)."""
+    pool = PinnedPool(budget_bytes=GiB, pin=False)
+    pool.reserve([n * 3 * MiB for n in free]).join()
+    before = sorted(b.nbytes for b in pool._free)
+    mib_sizes = [n * 3 * MiB for n in sizes]
+    thread = pool.cover(mib_sizes)
+    if thread is not None:
+        thread.join()
+    after = sorted(b.nbytes for b in pool._free)
+    assert _max_fitting_matches(sorted(mib_sizes), after) == len(sizes), (before, after)
+    pinned = len(after) - len(before)
+    assert pinned == len(sizes) - _max_fitting_matches(sorted(mib_sizes), before), (free, sizes, before, after)
+    assert (thread is None) == (pinned == 0)
+    pool.close()
+
+
+def test_a_spilling_fence_reserves_its_later_groups_at_the_ratio_of_its_first() -> None:
+    """The groups after the first, less what stays on the GPU, are pinned ahead at the first
+    group's ratio: compressed-size blocks, not raw-size ones (1.29x the compressed state)."""
+    from asyncckpt._gpu.pipeline import _reserve_spill
+
+    pool = PinnedPool(budget_bytes=GiB, pin=False)
+    _reserve_spill(pool, [100 * MiB, 100 * MiB, 60 * MiB, 100 * MiB], 0.8, resident_left=90 * MiB)
+    for thread in list(pool._reserving):
+        thread.join()
+    # 80 MiB stays resident (the first group's estimate fits 90 MiB); the other three are pinned.
+    expected = [block_size_for(n) for n in (80 * MiB, 48 * MiB, 80 * MiB)]
+    assert sorted(b.nbytes for b in pool._free) == sorted(expected)
+    assert pool.allocated_bytes < 1.1 * (208 * MiB)
+    _reserve_spill(pool, [100 * MiB, 60 * MiB, 100 * MiB], 0.8, resident_left=0)
+    assert not pool.reserving and pool.allocated_bytes == sum(expected), "the next save's blocks are there already"
+    pool.close()
+
+
 def test_host_budget_is_shared_by_the_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     one = default_host_budget_bytes()

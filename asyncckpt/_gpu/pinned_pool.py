@@ -13,11 +13,12 @@ tens of GB), so it is never done on the training thread. :meth:`PinnedPool.reser
 thread and 15.5 GB/s by eight, where the fault-in of one mapping by many threads stayed at ~5-6 GB/s.
 ``AsyncCheckpointer.preallocate`` reserves before the first save; a save that starts while the
 reservation runs has the compressor's :meth:`PinnedPool.acquire` wait for a reserved block that
-fits rather than pin one of its own. A save that finds the pool empty still pins block by block
-on the compressor thread: reserving its groups' raw sizes ahead on these threads was tried
+fits rather than pin one of its own. A save that finds the pool short (a first save without
+``preallocate``) reserves the rest once its first group is compressed (:meth:`PinnedPool.cover`),
+sized to the later groups' raw bytes times that group's ratio: reserving raw sizes ahead was tried
 (2026-12-06, H100) and cut a first save's fence from 8.7 s to 5.1 s, but held 36.4 GB of pinned
 memory for 28.2 GB of compressed bytes (1.29x, where blocks sized to the compressed groups hold
-1.08x), and the pool keeps what a save used; sizing blocks ahead to compressed bytes is open.
+1.08x), and the pool keeps what a save used.
 
 Memory is allocated with ``mmap`` (page-aligned, with transparent huge pages advised, which
 makes pinning cheaper) and registered with ``cudaHostRegister``: torch's own pinned allocator
@@ -236,6 +237,29 @@ class PinnedPool:
             self._reserving = [t for t in self._reserving if t.is_alive()]
             self._reserving.append(thread)
         return thread
+
+    def cover(self, sizes: Sequence[int]) -> threading.Thread | None:
+        """Reserve blocks for those of ``sizes`` (in the order they will be asked for) that the free
+        blocks and the blocks reservations are pinning do not cover; the reservation's thread, or
+        None when nothing is missing. Each block covers one size it fits, largest first.
+
+        The compressor's call once a ``fence`` save that spills has resolved its first group: the
+        sizes are the rest of its groups' raw sizes scaled by the ratio seen so far, so what is
+        pinned ahead follows the compressed bytes (within a block's headroom) rather than the raw
+        ones, and the pinning runs on :data:`PIN_THREADS` threads beside the compressor."""
+        with self._lock:
+            have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
+        # Each size takes the smallest block that fits it, largest sizes first.
+        missing: list[int] = []
+        for size in sorted(sizes, reverse=True):
+            if have and size <= have[-1]:
+                have.pop(next(i for i, n in enumerate(have) if size <= n))  # the smallest that fits
+            else:
+                missing.append(size)
+        if not missing:
+            return None
+        # Largest first (as found): whatever group asks next, the first blocks pinned fit it.
+        return self.reserve(missing)
 
     @property
     def reserving(self) -> bool:
