@@ -156,10 +156,11 @@ def with_delta_limit(plan: StagingPlan, forms: int, largest_tensor_bytes: int, s
 def reference_room(plan: StagingPlan, device_bytes: int, arena_bytes: int, slots: int,
                    largest_tensor_bytes: int, forms: int) -> int:  # fmt: skip
     """GPU bytes of ``plan``'s budget that delta references may take: what is left once the arena
-    (allocated, or to be allocated by a ``device`` copy), the writer's window and the compressor's
+    (allocated, or to be allocated by a ``device`` copy), the writer's window, the compressor's
     scratch (its groups, the largest tensor compressed, ``forms`` encodings of a tensor up to
-    ``max_delta_bytes``) are counted. A ``fence``'s resident output is counted as room: keeping
-    compressed bytes on the GPU only saves PCIe time, which a reference kept there saves as well.
+    ``max_delta_bytes``) and a ``fence``'s resident output are counted. The resident output is not
+    room although it only saves PCIe time: references are allocated by a background pass that may
+    run while the save planned here is still filling it.
 
     References held on the GPU are taken out of the next save's budget (as the arena is, they stay
     allocated), and a save planned with this much less budget keeps its mode, its compression and
@@ -171,7 +172,7 @@ def reference_room(plan: StagingPlan, device_bytes: int, arena_bytes: int, slots
     lone_delta = min(largest_tensor_bytes, plan.max_delta_bytes) * SCRATCH_PER_RAW_BYTE * forms if forms > 1 else 0
     if plan.mode == "fence":
         scratch = max(scratch_for(plan.group_bytes), largest_tensor_bytes * SCRATCH_PER_RAW_BYTE, lone_delta)
-        return max(0, plan.budget_bytes - arena_bytes - scratch)
+        return max(0, plan.budget_bytes - arena_bytes - scratch - plan.resident_bytes * max(1, slots))
     arena = max(arena_bytes, device_bytes * slots)
     compressed = min(largest_tensor_bytes, plan.max_compress_bytes)
     scratch = max(plan.group_bytes, compressed) * SCRATCH_PER_RAW_BYTE if plan.max_compress_bytes else 0

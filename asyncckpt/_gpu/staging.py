@@ -353,7 +353,10 @@ class GpuStager:
                 freed = references.give_up_device_memory()
                 log.info("asyncckpt: the GPU budget shrank under the delta references: %d bytes of them given "
                          "up (their tensors are stored in full until memory comes back)", freed)  # fmt: skip
-                plan, held = without, references.device_bytes
+                # What a background pass holds (an allocation under way, memory it is about to
+                # free) is still counted, and still taken out of this save's budget.
+                held = references.device_bytes
+                plan = self._plan_within(budget - held, device_bytes, largest) if held else without
             else:
                 plan = dataclasses.replace(plan, reason=f"{plan.reason} ({held} bytes of the budget hold delta "
                                                         "references)")  # fmt: skip

@@ -123,26 +123,28 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
 
 
 def test_references_take_only_the_room_the_budget_leaves_and_give_it_up_when_it_shrinks(run_dir: Path) -> None:
-    """One GPU budget for staging and references. A fence's groups top out at 1 GiB, so of a budget
-    of 17 GiB the scratch takes 16 GiB and the references may take the last GiB, on the GPU. When
-    the budget then shrinks to 24x the largest tensor plus half of what they hold, keeping them would
-    leave the largest tensors no scratch for their delta forms: the next save gives them up instead
-    (same mode, a delta of every tensor), they come back in host memory, and every step restores bit
-    for bit."""
+    """One GPU budget for staging and references. Of a 17 GiB budget, a device copy of this small
+    state takes its arena, the writer's 1 GiB window and 8 GiB of scratch (1 GiB groups), and the
+    references may take the rest, on the GPU. When the budget then shrinks to the arena, the window,
+    24x the largest tensor and half of what the references hold, keeping them would leave the
+    largest tensors no scratch for their delta forms: the next save gives them up instead (same
+    mode, a delta of every tensor), they come back in host memory, and every step restores bit for bit."""
     trainer = Trainer(width=1024, layers=2, autocast=True, fused=True)
     trainer.step()
     largest = max(t.nbytes for t in trainer.model.state_dict().values())
-    with asyncckpt.AsyncCheckpointer(run_dir, snapshot="fence", delta="on", delta_full_every=10,
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot="device", delta="on", delta_full_every=10,
                                      gpu_staging_budget_bytes=17 << 30) as ckpt:  # fmt: skip
         store: Any = ckpt._delta.store  # type: ignore[union-attr]
+        stager: Any = ckpt._backend.stager  # type: ignore[attr-defined]
         saved = save_steps(ckpt, trainer, (1, 2, 3), wait_for_references=True)
         on_gpu = store.device_bytes
-        assert 0 < on_gpu <= 1 << 30 and store.host_bytes == 0, (on_gpu, store.host_bytes)
-        ckpt._backend.stager.gpu_budget_bytes = 24 * largest + on_gpu // 2  # type: ignore[attr-defined]
+        assert on_gpu > 0 and store.host_bytes == 0, (on_gpu, store.host_bytes)
+        assert stager.arena.allocated_bytes + (1 << 30) + (8 << 30) + on_gpu <= 17 << 30
+        stager.gpu_budget_bytes = stager.arena.allocated_bytes + stager.window_bytes + 24 * largest + on_gpu // 2
         saved += save_steps(ckpt, trainer, (4, 5, 6, 7), wait_for_references=True)
         assert store.device_bytes == 0 and store.host_bytes >= on_gpu, (store.device_bytes, store.host_bytes)
     for reference, result in saved:
-        assert result.snapshot_mode == "fence" and result.ratio > 1.05, result
+        assert result.snapshot_mode == "device" and result.ratio > 1.05, result
         assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
     manifests = {result.step: read_manifest(result.path) for _, result in saved}
     assert manifests[3].reference is not None and any(t.delta for t in manifests[3].tensors), "GPU references"
