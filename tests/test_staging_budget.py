@@ -7,6 +7,7 @@ is in tests/gpu/test_gpu_full.py and runs on the H200.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from pathlib import Path
@@ -243,21 +244,39 @@ def test_cover_pins_exactly_the_blocks_the_free_ones_cannot_stand_in_for(free: l
     pool.close()
 
 
-def test_a_spilling_fence_reserves_its_later_groups_at_the_ratio_of_its_first() -> None:
-    """The groups after the first, less what stays on the GPU, are pinned ahead at the first
-    group's ratio: compressed-size blocks, not raw-size ones (1.29x the compressed state)."""
+class RecordingPool(PinnedPool):
+    """A real pool (plain memory) that also keeps the sizes each reservation was asked for, in order."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes, pin=False)
+        self.reserved: list[list[int]] = []
+
+    def reserve(self, sizes, threads=8):  # type: ignore[no-untyped-def]
+        self.reserved.append(list(sizes))
+        return super().reserve(sizes, threads)
+
+
+def test_a_spilling_fence_reserves_its_groups_at_the_ratio_of_its_first_in_the_order_asked() -> None:
+    """The groups that will not stay on the GPU are pinned ahead, the first at its packed size and
+    the later ones at the first group's ratio (compressed-size blocks, not raw-size ones: 1.29x the
+    compressed state), in the order the compressor will ask for them; a next save finds them free."""
     from asyncckpt._gpu.pipeline import _reserve_spill
 
-    pool = PinnedPool(budget_bytes=GiB, pin=False)
-    _reserve_spill(pool, [100 * MiB, 100 * MiB, 60 * MiB, 100 * MiB], 0.8, resident_left=90 * MiB)
+    pool = RecordingPool(budget_bytes=GiB)
+    later = [100 * MiB, 60 * MiB, 100 * MiB]
+    # The first group (80 MiB) fits the 90 MiB the plan lets stay on the GPU; the rest spill.
+    _reserve_spill(pool, 80 * MiB, 80 * MiB, later, 0.8, resident_left=90 * MiB)
+    pool.close()  # joins the reservation
+    assert pool.reserved == [[80 * MiB, 48 * MiB, 80 * MiB]]
+    pool = RecordingPool(budget_bytes=GiB)
+    # Nothing may stay: the first group's own block is reserved too, first.
+    _reserve_spill(pool, 81 * MiB, 80 * MiB, later, 0.81, resident_left=0)
     for thread in list(pool._reserving):
         thread.join()
-    # 80 MiB stays resident (the first group's estimate fits 90 MiB); the other three are pinned.
-    expected = [block_size_for(n) for n in (80 * MiB, 48 * MiB, 80 * MiB)]
-    assert sorted(b.nbytes for b in pool._free) == sorted(expected)
-    assert pool.allocated_bytes < 1.1 * (208 * MiB)
-    _reserve_spill(pool, [100 * MiB, 60 * MiB, 100 * MiB], 0.8, resident_left=0)
-    assert not pool.reserving and pool.allocated_bytes == sum(expected), "the next save's blocks are there already"
+    assert pool.reserved == [[81 * MiB, 81 * MiB, math.ceil(60 * MiB * 0.81), 81 * MiB]]
+    assert pool.allocated_bytes < 1.1 * (292 * MiB)
+    _reserve_spill(pool, 81 * MiB, 80 * MiB, later, 0.81, resident_left=0)
+    assert len(pool.reserved) == 1, "the next save's blocks are there already"
     pool.close()
 
 
@@ -411,6 +430,7 @@ def test_a_reservation_stopped_by_the_budget_never_leaves_acquire_waiting() -> N
     pool.close()
 
 
+@settings(deadline=None)  # threads pinning real memory: timing varies on a loaded machine
 @given(st.lists(st.integers(1, 64 * MiB), min_size=1, max_size=12), st.integers(1, 8),
        st.integers(0, 12))  # fmt: skip
 def test_parallel_reservations_stay_within_the_budget_and_hand_out_fitting_blocks(

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import mmap
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -241,7 +242,8 @@ class PinnedPool:
     def cover(self, sizes: Sequence[int]) -> threading.Thread | None:
         """Reserve blocks for those of ``sizes`` (in the order they will be asked for) that the free
         blocks and the blocks reservations are pinning do not cover; the reservation's thread, or
-        None when nothing is missing. Each block covers one size it fits, largest first.
+        None when nothing is missing. Each block covers one size it fits, largest sizes first; the
+        missing ones are pinned in the order given.
 
         The compressor's call once a ``fence`` save that spills has resolved its first group: the
         sizes are the rest of its groups' raw sizes scaled by the ratio seen so far, so what is
@@ -250,16 +252,22 @@ class PinnedPool:
         with self._lock:
             have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
         # Each size takes the smallest block that fits it, largest sizes first.
-        missing: list[int] = []
+        missing: Counter[int] = Counter()
         for size in sorted(sizes, reverse=True):
             if have and size <= have[-1]:
                 have.pop(next(i for i, n in enumerate(have) if size <= n))  # the smallest that fits
             else:
-                missing.append(size)
+                missing[size] += 1
         if not missing:
             return None
-        # Largest first (as found): whatever group asks next, the first blocks pinned fit it.
-        return self.reserve(missing)
+        # In the order they will be asked for: acquire takes the first block that fits, so a
+        # large block pinned first would go to a small early group and leave a large one without.
+        ordered = []
+        for size in sizes:
+            if missing[size]:
+                missing[size] -= 1
+                ordered.append(size)
+        return self.reserve(ordered)
 
     @property
     def reserving(self) -> bool:

@@ -329,7 +329,7 @@ class GpuEncoder:
                 while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
                     encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
-                resolved_raw = _group_raw(encoding[0][0])
+                resolved_raw = sum(staged.data.numel() for _i, staged in encoding[0][1].items)  # what `packed` holds
                 blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
                 encoding.popleft()
             except torch.cuda.OutOfMemoryError:
@@ -357,7 +357,8 @@ class GpuEncoder:
             if not covered:
                 covered = True
                 later = [_group_raw(g) for g, _work in encoding] + [_group_raw(g) for g in todo]
-                _reserve_spill(snapshot.pool, later, nbytes / max(1, resolved_raw), max(0, resident_left - nbytes))
+                _reserve_spill(snapshot.pool, packed.numel(), nbytes, later, packed.numel() / max(1, resolved_raw),
+                               resident_left)  # fmt: skip
             if nbytes <= resident_left:
                 resident_left -= nbytes
                 outgoing.append((blobs, nbytes, None, None))
@@ -774,24 +775,27 @@ def _tensor_sizes(group: list[tuple[int, StagedTensor]]) -> list[int]:
     return [staged.data.numel() for _index, staged in group]
 
 
-def _reserve_spill(pool: PinnedPool, later_raw: list[int], ratio: float, resident_left: int) -> None:
-    """Pin ahead, on the pool's threads, blocks for the groups of ``later_raw`` raw bytes (in order)
-    that will not stay on the GPU, each sized to its raw bytes times ``ratio`` (stored/raw of the
-    first group); free blocks that fit already count. Compressor thread, once per ``fence`` save.
+def _reserve_spill(pool: PinnedPool, first_block_bytes: int, first_stored: int, later_raw: list[int],
+                   ratio: float, resident_left: int) -> None:  # fmt: skip
+    """Pin ahead, on the pool's threads, blocks for the groups of a ``fence`` save that will not stay
+    on the GPU: its first group (``first_stored`` compressed bytes, ``first_block_bytes`` packed),
+    then the groups of ``later_raw`` raw bytes, each estimated at its raw bytes times ``ratio``
+    (packed/raw of the first); ``resident_left``: GPU bytes the plan lets stay. Free blocks that fit
+    count (:meth:`~asyncckpt._gpu.pinned_pool.PinnedPool.cover`). Compressor thread, once per save.
 
     Without it, a first save pinned block by block on this thread while the fence held training
     (8.7 s for 28 GB on the H100); sized to raw bytes instead, the blocks held 1.29x the compressed
-    state. A group larger than its estimate takes another free block that fits, or pins its own."""
+    state. A group larger than its estimate takes another free block that fits, or pins its own;
+    blocks left unused are freed when the save ends (``GpuSnapshot.release`` recycles the pool)."""
     sizes: list[int] = []
-    for raw in later_raw:
-        estimate = max(1, math.ceil(raw * ratio))
-        if estimate <= resident_left:
-            resident_left -= estimate  # stays on the GPU
+    for size, block in [(first_stored, first_block_bytes)] + [(math.ceil(raw * ratio),) * 2 for raw in later_raw]:
+        if size <= resident_left:
+            resident_left -= size  # stays on the GPU, as the loop decides
             continue
         # Counted as spilled from here on; the loop may still keep a later, smaller group on the
-        # GPU, which leaves a block over (freed when the save ends, by recycle).
+        # GPU, which leaves a block over.
         resident_left = 0
-        sizes.append(estimate)
+        sizes.append(max(1, block))
     if sizes:
         pool.cover(sizes)
 

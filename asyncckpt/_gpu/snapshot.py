@@ -221,7 +221,9 @@ class GpuSnapshot:
             self.gate.fail()  # no-op when already open; never leave a training step waiting
         if self.host_part is not None:
             self.host_part.release()
-        if self.pinned:  # the writer is done with them: write_part releases after sync
+        # The writer is done with the blocks (write_part releases after sync). A fence recycles even
+        # when it used none: blocks reserved for groups that stayed on the GPU are freed then.
+        if self.pinned or self.mode == "fence":
             self.pool.recycle(self.pinned)
         self.pinned = []
         self.sources = []
