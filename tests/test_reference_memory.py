@@ -16,10 +16,12 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from test_staging_budget import memory_held  # the model of what a plan may hold on the GPU
 
 from asyncckpt._codecs.zstd import ZstdCodec
 from asyncckpt._delta_encode import DeltaWriter
 from asyncckpt._gpu.delta_store import DeviceReferenceStore
+from asyncckpt._gpu.staging import GpuStager, _worse
 from asyncckpt._snapshot.base import StagedTensor
 from asyncckpt._tree import TensorLeaf
 
@@ -424,4 +426,47 @@ def test_references_stay_the_base_under_any_delta_limits_failures_and_policy(dat
         assert store.wait_prepared(timeout_seconds=30)
         assert store.device_bytes <= store.device_budget_bytes and store.host_bytes <= store.budget_bytes
     event(f"deltas taken: {'some' if deltas else 'none'}")  # the search covers both (--hypothesis-show-statistics)
+    store.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mode=st.sampled_from(["auto", "device", "device", "fence", "host"]),
+    sizes=st.lists(st.integers(1, 24).map(lambda n: n << 20), min_size=1, max_size=4),
+    # Past 8 GiB a copy's scratch stops growing, which leaves the references room on the GPU.
+    budget=st.one_of(st.sampled_from([9 << 30, 12 << 30, 16 << 30]), st.integers(0, 16384).map(lambda n: n << 20)),
+    slots=st.integers(1, 2),
+    shrink=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.01, 0.6, 0.75, 0.9]), st.floats(0.0, 1.0)),
+)
+def test_the_stager_and_the_store_keep_one_gpu_budget_across_saves(
+    mode: str, sizes: list[int], budget: int, slots: int, shrink: float | None
+) -> None:
+    """The GPU stager's plans with the real reference store beside them, over saves (on the CPU:
+    the store's "device" memory is host memory, the plans are the same arithmetic). At every save
+    what the references hold on the GPU plus what the plan may hold stays within the budget; with a
+    constant budget the references never cost a save its mode, compression or delta limit and are
+    never given up; when the budget then moves, the next plan still fits it."""
+    window = 64 << 20
+    stager = GpuStager(mode, CPU, slots, lambda _snapshot: None, window, gpu_budget_bytes=budget,
+                       host_budget_bytes=1 << 30)  # fmt: skip
+    stager.forms_per_tensor = 3
+    store = DeviceReferenceStore(CPU, host_budget_bytes=1 << 30, device_budget_bytes=0, pin=False)
+    stager.references = store
+    tensors = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    on_device, largest, total = [True] * len(tensors), max(sizes), sum(sizes)
+    first = stager._plan(tensors, on_device)
+    for step in range(1, 5):
+        plan = stager._plan(tensors, on_device)
+        held = store.device_bytes
+        assert memory_held(plan, total, 0, slots, largest, 3) + held <= budget, (step, plan, held)
+        assert not _worse(plan, first, largest), (step, plan, first, held)
+        _save(store, step, {f"t{i}": t for i, t in enumerate(tensors)})
+        assert store.device_bytes <= store.device_budget_bytes  # type: ignore[operator]
+    event(f"references on the GPU: {store.device_bytes > 0}")
+    if shrink is not None:
+        shrunk = int(budget * shrink)
+        stager.gpu_budget_bytes = shrunk
+        plan = stager._plan(tensors, on_device)
+        assert memory_held(plan, total, 0, slots, largest, 3) + store.device_bytes <= shrunk, (plan, store.device_bytes)
+    stager.close()
     store.close()

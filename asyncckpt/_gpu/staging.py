@@ -349,7 +349,8 @@ class GpuStager:
         plan = self._plan_within(budget - held, device_bytes, largest)
         if held and references is not None:
             without = self._plan_within(budget, device_bytes, largest)
-            if _worse(plan, without, largest):
+            # Over the budget beside the arena (it shrank below them), or costing this save: give up.
+            if held > budget - self.arena.allocated_bytes or _worse(plan, without, largest):
                 freed = references.give_up_device_memory()
                 log.info("asyncckpt: the GPU budget shrank under the delta references: %d bytes of them given "
                          "up (their tensors are stored in full until memory comes back)", freed)  # fmt: skip
