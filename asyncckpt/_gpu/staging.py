@@ -332,7 +332,8 @@ class GpuStager:
         the staging is planned with the rest of the budget; they may then grow into the room that
         plan leaves (:func:`~asyncckpt._gpu.budget.reference_room`), which never changes the next
         plan's mode or compression. If the budget shrank under them (training took memory, or the
-        user lowered it), they give their memory up rather than cost this save its mode."""
+        user lowered it), they give their memory up when keeping it would cost this save its mode,
+        compression or deltas, or would exceed the budget beside the arena."""
         device_bytes = largest = 0
         for t, on in zip(tensors, here, strict=True):
             if on:
