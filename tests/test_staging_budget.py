@@ -280,6 +280,23 @@ def test_a_spilling_fence_reserves_its_groups_at_the_ratio_of_its_first_in_the_o
     pool.close()
 
 
+def test_a_group_larger_than_every_reserved_block_frees_them_rather_than_go_without() -> None:
+    """A reservation whose estimate proved low holds the budget with blocks no group fits; the
+    group that needs more gets its block by freeing them (largest first), not None (which paces the
+    rest of the save by the disk)."""
+    pool = PinnedPool(budget_bytes=64 * MiB, pin=False)
+    pool.reserve([14 * MiB] * 4).join()  # 4 blocks of 16 MiB: the whole budget
+    assert pool.allocated_bytes == 64 * MiB
+    block = pool.acquire(20 * MiB)
+    assert block is not None and block.nbytes >= 20 * MiB
+    assert pool.allocated_bytes <= pool.budget_bytes and len(pool._free) == 2, "two freed, two kept"
+    pool.give_back([block])
+    kept = pool.allocated_bytes
+    assert pool.acquire(70 * MiB) is None, "over the whole budget: nothing helps"
+    assert pool.allocated_bytes == kept, "and nothing was freed for it"
+    pool.close()
+
+
 def test_host_budget_is_shared_by_the_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     one = default_host_budget_bytes()

@@ -135,7 +135,31 @@ class PinnedPool:
                 if not self._pinning or not any(nbytes <= block_size_for(size) for size in coming):
                     break
                 self._arrived.wait()
-        return self._allocate_within_budget(nbytes)
+        block = self._allocate_within_budget(nbytes)
+        if block is None and self._free_too_small(nbytes):
+            block = self._allocate_within_budget(nbytes)
+        return block
+
+    def _free_too_small(self, nbytes: int) -> bool:
+        """Free blocks (none of which fits ``nbytes``: acquire found none) until a block for ``nbytes``
+        fits the budget, largest first; whether any was freed. A reservation sized to an estimate
+        that proved low would otherwise hold the budget with blocks no group fits, and the save
+        would go on paced by the disk where pinning its own blocks had fitted."""
+        elsewhere = self._held_elsewhere() if self._held_elsewhere is not None else 0
+        freed: list[PinnedBlock] = []
+        with self._lock:
+            over = self._allocated_bytes + elsewhere + nbytes - self.budget_bytes
+            if over > sum(b.nbytes for b in self._free):
+                return False  # blocks in use hold the rest: freeing these would not make room
+            self._free.sort(key=lambda b: b.nbytes)
+            while over > 0 and self._free:
+                block = self._free.pop()
+                over -= block.nbytes
+                freed.append(block)
+            self._allocated_bytes -= sum(b.nbytes for b in freed)
+        for block in freed:
+            free_block(block)
+        return bool(freed)
 
     def _allocate_within_budget(self, nbytes: int) -> PinnedBlock | None:
         elsewhere = self._held_elsewhere() if self._held_elsewhere is not None else 0
