@@ -269,10 +269,11 @@ class PinnedPool:
         None when nothing is missing. Each block covers one size it fits, largest sizes first; the
         missing ones are pinned in the order given.
 
-        The compressor's call once a ``fence`` save that spills has resolved its first group: the
-        sizes are the rest of its groups' raw sizes scaled by the ratio seen so far, so what is
-        pinned ahead follows the compressed bytes (within a block's headroom) rather than the raw
-        ones, and the pinning runs on :data:`PIN_THREADS` threads beside the compressor."""
+        The compressor's call once a ``fence`` save has resolved its first group: the sizes are
+        those of its groups that will spill, the first at its packed size and the later ones at
+        their raw sizes scaled by its ratio, so what is pinned ahead follows the compressed bytes
+        (within a block's headroom) rather than the raw ones, and the pinning runs on
+        :data:`PIN_THREADS` threads beside the compressor."""
         with self._lock:
             have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
         # Each size takes the smallest block that fits it, largest sizes first.
