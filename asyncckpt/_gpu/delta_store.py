@@ -105,8 +105,6 @@ class DeviceReferenceStore(HostReferenceStore):
         self._retired: list[_Memory] = []
         """Memory given up, freed by the next background pass (its last copy may still be queued)."""
         self._preparing: threading.Thread | None = None
-        self._given_up = 0
-        """GPU bytes :meth:`give_up_device_memory` is freeing (under the lock)."""
         self._not_kept: set[str] = set()
         """Keys the save being encoded recorded with ``keep=False``: spare memory that reaches one
         of them (a background pass that was already running) is freed at its commit."""
@@ -168,17 +166,17 @@ class DeviceReferenceStore(HostReferenceStore):
         for the compressor stream, which orders its reuse after the copies still queued there (and
         a copy the compressor has in hand keeps its tensor alive), and the save asking for it is
         about to allocate its scratch on that stream."""
+        freed = 0
         with self._lock:
             on_device = [key for key, memory in self._memory.items() if memory.block is None]
             for key in on_device:
                 super()._drop(key)  # not self._drop: that would retire the memory, not free it
-                self._free_counted(self._memory.pop(key))
+                freed += self._free_device(self._memory.pop(key))
             for key in [key for key, memory in self._spare.items() if memory.block is None]:
-                self._free_counted(self._spare.pop(key))
+                freed += self._free_device(self._spare.pop(key))
             for memory in [memory for memory in self._retired if memory.block is None]:
                 self._retired.remove(memory)
-                self._free_counted(memory)
-            freed, self._given_up = self._given_up, 0
+                freed += self._free_device(memory)
         return freed
 
     # ------------------------------------------------------------------ worker thread
@@ -299,22 +297,22 @@ class DeviceReferenceStore(HostReferenceStore):
         return _Memory(block.data, block)
 
     def _free(self, memory: _Memory) -> None:
+        if memory.block is None:
+            with self._lock:
+                self._free_device(memory)
+            return
         nbytes = int(memory.data.numel())
-        if memory.block is not None:
-            free_block(memory.block)
+        free_block(memory.block)
         with self._lock:
-            if memory.block is not None:
-                self.host_bytes -= nbytes
-            else:
-                self.device_bytes -= nbytes
+            self.host_bytes -= nbytes
         memory.data = torch.empty(0, dtype=torch.uint8)
 
-    def _free_counted(self, memory: _Memory) -> None:
-        """Store lock held: drop GPU ``memory`` (back to the caching allocator) and its count."""
+    def _free_device(self, memory: _Memory) -> int:
+        """Store lock held: drop GPU ``memory`` (back to the caching allocator) and its count; its bytes."""
         nbytes = int(memory.data.numel())
         self.device_bytes -= nbytes
-        self._given_up += nbytes
         memory.data = torch.empty(0, dtype=torch.uint8)
+        return nbytes
 
     # ------------------------------------------------------------------ any thread, store lock held
     def _drop(self, key: str) -> None:

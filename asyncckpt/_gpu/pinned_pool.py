@@ -146,17 +146,12 @@ class PinnedPool:
         that proved low would otherwise hold the budget with blocks no group fits, and the save
         would go on paced by the disk where pinning its own blocks had fitted."""
         elsewhere = self._held_elsewhere() if self._held_elsewhere is not None else 0
-        freed: list[PinnedBlock] = []
         with self._lock:
             over = self._allocated_bytes + elsewhere + nbytes - self.budget_bytes
-            if over > sum(b.nbytes for b in self._free):
+            free_bytes = sum(b.nbytes for b in self._free)
+            if over > free_bytes:
                 return False  # blocks in use hold the rest: freeing these would not make room
-            self._free.sort(key=lambda b: b.nbytes)
-            while over > 0 and self._free:
-                block = self._free.pop()
-                over -= block.nbytes
-                freed.append(block)
-            self._allocated_bytes -= sum(b.nbytes for b in freed)
+            freed = self._take_largest_free(free_bytes - over)
         for block in freed:
             free_block(block)
         return bool(freed)
@@ -302,16 +297,22 @@ class PinnedPool:
 
     def trim(self, keep_bytes: int) -> int:
         """Free unused blocks, largest first, until at most ``keep_bytes`` are free; returns bytes freed."""
-        freed = []
         with self._lock:
-            self._free.sort(key=lambda b: b.nbytes)
-            while self._free and sum(b.nbytes for b in self._free) > keep_bytes:
-                freed.append(self._free.pop())
-            freed_bytes = sum(b.nbytes for b in freed)
-            self._allocated_bytes -= freed_bytes
+            freed = self._take_largest_free(keep_bytes)
+        freed_bytes = sum(b.nbytes for b in freed)  # before free_block empties them
         for block in freed:
             free_block(block)
         return freed_bytes
+
+    def _take_largest_free(self, keep_bytes: int) -> list[PinnedBlock]:
+        """Lock held: take free blocks, largest first, until at most ``keep_bytes`` are free, and
+        stop counting them; the caller frees them outside the lock."""
+        taken: list[PinnedBlock] = []
+        self._free.sort(key=lambda b: b.nbytes)
+        while self._free and sum(b.nbytes for b in self._free) > keep_bytes:
+            taken.append(self._free.pop())
+        self._allocated_bytes -= sum(b.nbytes for b in taken)
+        return taken
 
     def close(self) -> None:
         """Free every free block; blocks still in use are freed by whoever holds them last."""
