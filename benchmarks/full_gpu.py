@@ -112,6 +112,7 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
     pending, cost = train_while_saving(work, lambda: method.save(step, checkpoint_state(work)), baseline, settled)
     finished = pending.finish()
     gpu_peak, host_peak = sampler.peaks()
+    torch_peak, torch_live_peak = torch_peaks(work.device)
     row = {
         **cost,
         "durable_seconds": finished.durable_seconds,
@@ -119,10 +120,10 @@ def measure_save(method: Any, work: Workload, step: int, baseline: float, sample
         "extra_gpu_bytes": max(0, gpu_peak - gpu_before),
         # torch's caching allocator alone (training's and the save's tensors); the driver-reported
         # figure above less this is what others allocated: nvCOMP, KvikIO, CUDA modules loading.
-        "extra_gpu_torch_bytes": max(0, torch_peaks(work.device)[0] - torch_before),
+        "extra_gpu_torch_bytes": max(0, torch_peak - torch_before),
         # Of that, what live tensors peaked at: the rest is memory the allocator cached but could not
         # reuse (blocks cached for another stream, or split to other sizes).
-        "extra_gpu_torch_live_bytes": max(0, torch_peaks(work.device)[1] - torch_live_before),
+        "extra_gpu_torch_live_bytes": max(0, torch_live_peak - torch_live_before),
         "extra_host_bytes": max(0, host_peak - host_before),
         "host_rss_before_bytes": host_before,
         **{k: v for k, v in finished.details.items() if k in REPORTED_DETAILS},
