@@ -7,7 +7,6 @@ is in tests/gpu/test_gpu_full.py and runs on the H200.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from pathlib import Path
@@ -241,42 +240,6 @@ def test_cover_pins_exactly_the_blocks_the_free_ones_cannot_stand_in_for(free: l
     pinned = len(after) - len(before)
     assert pinned == len(sizes) - _max_fitting_matches(sorted(mib_sizes), before), (free, sizes, before, after)
     assert (thread is None) == (pinned == 0)
-    pool.close()
-
-
-class RecordingPool(PinnedPool):
-    """A real pool (plain memory) that also keeps the sizes each reservation was asked for, in order."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes, pin=False)
-        self.reserved: list[list[int]] = []
-
-    def reserve(self, sizes, threads=8):  # type: ignore[no-untyped-def]
-        self.reserved.append(list(sizes))
-        return super().reserve(sizes, threads)
-
-
-def test_a_spilling_fence_reserves_its_groups_at_the_ratio_of_its_first_in_the_order_asked() -> None:
-    """The groups that will not stay on the GPU are pinned ahead, the first at its packed size and
-    the later ones at the first group's ratio (compressed-size blocks, not raw-size ones: 1.29x the
-    compressed state), in the order the compressor will ask for them; a next save finds them free."""
-    from asyncckpt._gpu.pipeline import _reserve_spill
-
-    pool = RecordingPool(budget_bytes=GiB)
-    later = [100 * MiB, 60 * MiB, 100 * MiB]
-    # The first group (80 MiB) fits the 90 MiB the plan lets stay on the GPU; the rest spill.
-    _reserve_spill(pool, 80 * MiB, 80 * MiB, later, 0.8, resident_left=90 * MiB)
-    pool.close()  # joins the reservation
-    assert pool.reserved == [[80 * MiB, 48 * MiB, 80 * MiB]]
-    pool = RecordingPool(budget_bytes=GiB)
-    # Nothing may stay: the first group's own block is reserved too, first.
-    _reserve_spill(pool, 81 * MiB, 80 * MiB, later, 0.81, resident_left=0)
-    for thread in list(pool._reserving):
-        thread.join()
-    assert pool.reserved == [[81 * MiB, 81 * MiB, math.ceil(60 * MiB * 0.81), 81 * MiB]]
-    assert pool.allocated_bytes < 1.1 * (292 * MiB)
-    _reserve_spill(pool, 81 * MiB, 80 * MiB, later, 0.81, resident_left=0)
-    assert len(pool.reserved) == 1, "the next save's blocks are there already"
     pool.close()
 
 

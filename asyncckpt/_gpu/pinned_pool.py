@@ -102,6 +102,8 @@ class PinnedPool:
         """Reservations running."""
         self._in_pin: list[int] = []
         """Sizes a reservation's thread is pinning now (no longer pending, not yet free)."""
+        self._pin_workers = 0
+        """Pinning threads alive (of every reservation): each takes pending sizes until none is left."""
 
     @property
     def allocated_bytes(self) -> int:
@@ -206,11 +208,18 @@ class PinnedPool:
         with self._lock:
             self._pending.extend(sizes)
             self._pinning += 1
+            # Threads already pinning take these sizes too (they stop only when nothing is
+            # pending, a check made under this lock): a save that reserves group by group
+            # (cover) keeps at most `threads` pinning, not `threads` per call.
+            spawn = max(0, min(threads - self._pin_workers, len(sizes)))
+            self._pin_workers += spawn
 
         def pin_next() -> None:
             while True:
                 with self._lock:
                     if not self._pending:
+                        self._pin_workers -= 1
+                        self._arrived.notify_all()  # a reservation waiting on this thread's sizes
                         return
                     size = self._pending.pop(0)
                     self._in_pin.append(size)
@@ -226,6 +235,9 @@ class PinnedPool:
                             self._pending.clear()  # the budget is spent: a waiting acquire goes on at once
                         self._arrived.notify_all()
                 if block is None:  # the budget is spent; pending was cleared, so the other threads stop too
+                    with self._lock:
+                        self._pin_workers -= 1
+                        self._arrived.notify_all()
                     log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
                              self.budget_bytes)  # fmt: skip
                     return
@@ -234,18 +246,27 @@ class PinnedPool:
             try:
                 pin_next()
             except Exception:  # a failed pin ends this thread's share; acquire() pins what is missing itself
+                with self._lock:
+                    self._pin_workers -= 1
+                    self._arrived.notify_all()
                 log.warning("asyncckpt: pinning staging memory ahead failed", exc_info=True)
 
         def run() -> None:
             workers: list[threading.Thread] = []
             try:
-                for _ in range(max(1, min(threads, len(sizes)))):
-                    workers.append(threading.Thread(target=pin_logged, name="asyncckpt-pin", daemon=True))
-                    workers[-1].start()
+                for _ in range(spawn):
+                    worker = threading.Thread(target=pin_logged, name="asyncckpt-pin", daemon=True)
+                    worker.start()
+                    workers.append(worker)
             finally:
                 for worker in workers:
                     worker.join()
                 with self._lock:
+                    self._pin_workers -= spawn - len(workers)  # counted above but never started
+                    # Sizes other reservations' threads took: this thread still ends only once every
+                    # size asked for has been pinned (or no thread is left to pin it).
+                    while (self._pending or self._in_pin) and self._pin_workers:
+                        self._arrived.wait()
                     self._pinning -= 1
                     if not self._pinning:  # sizes no thread will pin: never leave acquire() waiting for them
                         self._pending.clear()

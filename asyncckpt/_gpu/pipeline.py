@@ -37,8 +37,8 @@ gate opens, and a group retried after running out of memory still finds its refe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -62,10 +62,10 @@ from . import native as native
 from .auto import DEFAULT_REPROBE_EVERY, CodecChooser
 from .budget import GROUPS_IN_FLIGHT, halve, plan_groups
 from .fence import FenceGate
-from .pinned_pool import PinnedPool
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import BlobChannel, GpuSnapshot, Group
 from .specs import CodecSpec
+from .spill_reservation import SpillReservation, SpillTensor
 from .staging import TINY_BYTES, aligned_layout, aligned_offsets, copy_fence_stragglers
 
 log = logging.getLogger("asyncckpt")
@@ -321,7 +321,7 @@ class GpuEncoder:
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
         outgoing: deque[_Outgoing] = deque()
         retrying = False  # after running short, no auto probe: every candidate's output at once is what did not fit
-        covered = False  # pinned blocks for what will spill: reserved once the first group is resolved
+        reservation = SpillReservation(snapshot.pool)  # pinned blocks for what will spill, ahead of it
         while (todo or encoding) and not channel.cancelled:
             try:
                 # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
@@ -329,7 +329,7 @@ class GpuEncoder:
                 while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
                     encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
-                resolved_raw = sum(staged.data.numel() for _i, staged in encoding[0][1].items)  # what `packed` holds
+                resolved = encoding[0][0]
                 blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
                 encoding.popleft()
             except torch.cuda.OutOfMemoryError:
@@ -354,11 +354,8 @@ class GpuEncoder:
                 stats.notes.append(note)
                 log.warning("asyncckpt: %s", note)
                 continue
-            if not covered:
-                covered = True
-                later = [_group_raw(g) for g, _work in encoding] + [_group_raw(g) for g in todo]
-                _reserve_spill(snapshot.pool, packed.numel(), nbytes, later, packed.numel() / max(1, resolved_raw),
-                               resident_left)  # fmt: skip
+            upcoming = (_spill_tensors(g) for g in itertools.chain((g for g, _work in encoding), todo))
+            reservation.group_resolved(_stored_per_tensor(resolved, blobs), packed.numel(), upcoming, resident_left)
             if nbytes <= resident_left:
                 resident_left -= nbytes
                 outgoing.append((blobs, nbytes, None, None))
@@ -775,29 +772,14 @@ def _tensor_sizes(group: list[tuple[int, StagedTensor]]) -> list[int]:
     return [staged.data.numel() for _index, staged in group]
 
 
-def _reserve_spill(pool: PinnedPool, first_block_bytes: int, first_stored: int, later_raw: list[int],
-                   ratio: float, resident_left: int) -> None:  # fmt: skip
-    """Pin ahead, on the pool's threads, blocks for the groups of a ``fence`` save that will not stay
-    on the GPU: its first group (``first_stored`` compressed bytes, ``first_block_bytes`` packed),
-    then the groups of ``later_raw`` raw bytes, each estimated at its raw bytes times ``ratio``
-    (packed/raw of the first); ``resident_left``: GPU bytes the plan lets stay. Free blocks that fit
-    count (:meth:`~asyncckpt._gpu.pinned_pool.PinnedPool.cover`). Compressor thread, once per save.
+def _spill_tensors(group: list[tuple[int, StagedTensor]]) -> list[SpillTensor]:
+    return [SpillTensor(staged.key, staged.dtype, staged.data.numel()) for _i, staged in group]
 
-    Without it, a first save pinned block by block on this thread while the fence held training
-    (8.7 s for 28 GB on the H100); sized to raw bytes instead, the blocks held 1.29x the compressed
-    state. A group larger than its estimate takes another free block that fits, or pins its own;
-    blocks left unused are freed when the save ends (``GpuSnapshot.release`` recycles the pool)."""
-    sizes: list[int] = []
-    for size, block in [(first_stored, first_block_bytes)] + [(math.ceil(raw * ratio),) * 2 for raw in later_raw]:
-        if size <= resident_left:
-            resident_left -= size  # stays on the GPU, as the loop decides
-            continue
-        # Counted as spilled from here on; the loop may still keep a later, smaller group on the
-        # GPU, which leaves a block over.
-        resident_left = 0
-        sizes.append(max(1, block))
-    if sizes:
-        pool.cover(sizes)
+
+def _stored_per_tensor(group: list[tuple[int, StagedTensor]], blobs: Group) -> list[tuple[SpillTensor, int]]:
+    """Each tensor of a resolved group with the bytes it stores (what the reservation learns from)."""
+    stored = {index: blob.stored_bytes for index, blob in blobs}
+    return [(SpillTensor(staged.key, staged.dtype, staged.data.numel()), stored[index]) for index, staged in group]
 
 
 def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:

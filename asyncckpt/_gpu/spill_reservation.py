@@ -1,0 +1,137 @@
+"""Pinned blocks reserved ahead of a ``fence`` save's spilled groups, sized by what each will store.
+
+A ``fence`` save whose compressed groups do not fit its GPU budget copies each one to a pinned host
+block (:mod:`asyncckpt._gpu.pinned_pool`). A first save finds the pool empty, and pinning a block on
+the compressor thread holds training (8.7 s for 28 GB on an H100), so blocks are pinned ahead on
+the pool's threads, in the order the compressor will ask for them. A block must hold a group's
+*compressed* bytes, which are known only once the group is encoded; before that they are estimated.
+
+The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for its
+class, the leaf of its key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...): the
+classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and Adam's
+first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every weight, then
+each parameter's moments in turn). A class not seen yet takes the ratio of the whole save so far.
+
+Why not one ratio for the save: taken once from the first group (as first built), the 2.8B model's
+first save held 30.4 GB of extra host memory for 26.0 GB stored (1.17x; H100, 2026-12-06,
+``benchmarks/results/full_gpu-20261206-223835-h10080gbhbm3.md``), where blocks sized to the stored
+groups hold about 1.07x (1/16 headroom and 2 MiB alignment, :func:`~asyncckpt._gpu.pinned_pool.block_size_for`).
+
+Why a window: only the next :data:`RESERVE_AHEAD_BYTES` (estimated) are asked for, topped up when
+half is used, so what a wrong estimate can pin in excess is bounded by the window, and a group is
+estimated once it is near, when more of its class has been seen. The window keeps the pool's
+threads busy: the compressor resolves a ~100 MB group in a few milliseconds, a thread pins one in
+tens (15.5 GB/s on eight threads, ``pinned_pool``), so pinning, not the window, paces a first save.
+
+Compressor thread only (one object per ``fence`` save); the pinning runs on the pool's threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .pinned_pool import PinnedPool
+
+RESERVE_AHEAD_BYTES = 2 << 30
+"""Estimated stored bytes reserved beyond the groups resolved so far (topped up at half)."""
+
+
+@dataclass(frozen=True)
+class SpillTensor:
+    """What the estimate needs of one tensor of a group: its class and raw bytes."""
+
+    key: str
+    dtype: torch.dtype
+    raw_bytes: int
+
+
+def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """The leaf of a flattened key (``optim/state/3/exp_avg`` -> ``exp_avg``,
+    ``model/layers.0.mlp.weight`` -> ``weight``) with the dtype."""
+    return key.rsplit("/", 1)[-1].rsplit(".", 1)[-1], dtype
+
+
+@dataclass
+class _Ratio:
+    raw: int = 0
+    stored: int = 0
+
+    def add(self, raw: int, stored: int) -> None:
+        self.raw += raw
+        self.stored += stored
+
+    def get(self) -> float | None:
+        return self.stored / self.raw if self.raw else None
+
+
+@dataclass
+class SpillReservation:
+    """One ``fence`` save's reservation; :meth:`group_resolved` after each group is resolved."""
+
+    pool: PinnedPool
+    ahead_bytes: int = RESERVE_AHEAD_BYTES
+    _classes: dict[tuple[str, torch.dtype], _Ratio] = field(default_factory=dict)
+    _whole: _Ratio = field(default_factory=_Ratio)
+    _resolved_raw: int = 0
+    """Raw bytes of the groups resolved so far (a position in the save's tensor order)."""
+    _asked_raw: int = 0
+    """Raw bytes, from the start of the save, whose groups have been asked for (0: none yet)."""
+    _asked_ahead: list[tuple[int, int]] = field(default_factory=list)
+    """(raw end position, estimated bytes) of the spilling groups asked for and not yet resolved:
+    the window is topped up when these fall under half of it."""
+
+    def estimate(self, tensors: Iterable[SpillTensor]) -> int:
+        """Estimated stored bytes of a group not yet encoded (its raw bytes while nothing is known)."""
+        whole = self._whole.get() or 1.0
+        total = 0.0
+        for t in tensors:
+            known = self._classes.get(tensor_class(t.key, t.dtype))
+            total += t.raw_bytes * ((known.get() if known else None) or whole)
+        return max(1, math.ceil(total))
+
+    def group_resolved(self, stored: list[tuple[SpillTensor, int]], packed_bytes: int,
+                       upcoming: Iterable[list[SpillTensor]], resident_left: int) -> None:  # fmt: skip
+        """Learn from a resolved group (each tensor with the bytes it stores) and top the reservation up.
+
+        ``packed_bytes``: the group's packed size (its block, if it spills); ``upcoming``: the groups
+        after it, in order (read only as far as the window needs); ``resident_left``: GPU bytes the
+        plan still lets stay, before this group takes its share (the compressor's own rule: a group
+        stays on the GPU while it fits, else it spills and so does everything after it)."""
+        group_stored = sum(n for _t, n in stored)
+        for t, n in stored:
+            self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio()).add(t.raw_bytes, n)
+            self._whole.add(t.raw_bytes, n)
+            self._resolved_raw += t.raw_bytes
+        self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
+        if self._asked_raw and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
+            return
+        # The whole window, this group's block and those asked for before included: cover() pins
+        # only what the free and pending blocks cannot stand in for, and a block asked for an
+        # upcoming group must not be counted as covering another.
+        sizes: list[int] = []
+        if group_stored <= resident_left:
+            resident_left -= group_stored
+        else:
+            resident_left = 0
+            sizes.append(max(1, packed_bytes))  # acquired once this returns: still free now
+        position, ahead = self._resolved_raw, 0
+        for group in upcoming:
+            if ahead >= self.ahead_bytes:
+                break
+            position += sum(t.raw_bytes for t in group)
+            size = self.estimate(group)
+            ahead += size
+            if size <= resident_left:
+                resident_left -= size  # stays on the GPU, as the compressor decides
+                continue
+            resident_left = 0  # from here on every group spills (a later, smaller one may stay: a block over)
+            sizes.append(size)
+            if position > self._asked_raw:
+                self._asked_ahead.append((position, size))
+        self._asked_raw = max(self._asked_raw, position)
+        if sizes:
+            self.pool.cover(sizes)
