@@ -93,8 +93,9 @@ def fill_gpu(device: torch.device, leave_bytes: int) -> torch.Tensor | None:
 
 
 REPORTED_DETAILS = ("snapshot_mode", "snapshot_reason", "io_mode", "gate_seconds", "spilled_bytes", "compress_notes",
-                    "result_raw_bytes", "reference_device_bytes", "reference_host_bytes")  # fmt: skip
-"""What a row keeps of an asyncckpt save's details."""
+                    "result_raw_bytes", "reference_device_bytes", "reference_host_bytes", "specs")  # fmt: skip
+"""What a row keeps of an asyncckpt save's details (``specs``: tensors per codec spec the GPU compressor
+kept; the same state has stored 1.19x or 1.30x from run to run, by which spec won)."""
 
 
 def checkpoint_state(work: Workload) -> dict[str, Any]:
@@ -175,6 +176,7 @@ def summary(row: dict[str, Any]) -> str:
         f"lost {fmt_seconds(row['lost_seconds'])}, durable {fmt_seconds(row['durable_seconds'])}, "
         f"extra GPU {fmt_bytes(row['extra_gpu_bytes'])}, host {fmt_bytes(row['extra_host_bytes'])}, "
         f"mode {row.get('snapshot_mode', '-')}{references_note(row)}"
+        + (f"; specs {row['specs']}" if row.get("specs") else "")
     )
 
 

@@ -268,7 +268,7 @@ class Asyncckpt(Method):
             if history:
                 stats = history[-1]
                 details.update(gate_seconds=stats.gate_seconds, spilled_bytes=stats.spilled_bytes,
-                               compress_notes=list(stats.notes))  # fmt: skip
+                               compress_notes=list(stats.notes), specs=dict(stats.specs))  # fmt: skip
             return Finished(result.durable_seconds, Path(result.path), details)
 
         return Pending(done=handle.done, finish=finish)
