@@ -55,7 +55,8 @@ class CheckpointOptions:
     full), ``on`` (a tensor is stored as a delta against the previous committed save whenever that
     is smaller; costs host memory for one raw copy of the state, within ``host_staging_budget_bytes``),
     ``auto`` (as ``on``, but keys whose delta does not pay are neither tried nor kept in memory until
-    the next full save, and references share the host budget with staging)."""
+    the next full save, references share the host budget with staging, and on the GPU path a
+    ``fence`` save, whose references could only cross PCIe while training waits, takes no delta)."""
     delta_full_every: int = 4
     """With ``delta``: every this many saves one is full (1: all full); larger values make more saves
     small. With ``delta_reference="previous"`` restoring a step reads up to this many checkpoints

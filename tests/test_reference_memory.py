@@ -407,7 +407,7 @@ def test_references_stay_the_base_under_any_delta_limits_failures_and_policy(dat
         for raw in state.values():
             raw[step % raw.numel()] ^= 1
         session = writer.begin(step)
-        session.max_delta_bytes = data.draw(st.sampled_from([None, 150, 500, 2000]), label=f"limit {step}")
+        session.max_delta_bytes = data.draw(st.sampled_from([None, 0, 150, 500, 2000]), label=f"limit {step}")
         staged = {key: StagedTensor(key, torch.uint8, (raw.numel(),), CPU, raw) for key, raw in state.items()}
         for key, raw in state.items():
             if _delta_forms(session, staged[key], raw):
@@ -469,4 +469,55 @@ def test_the_stager_and_the_store_keep_one_gpu_budget_across_saves(
         plan = stager._plan(tensors, on_device)
         assert memory_held(plan, total, 0, slots, largest, 3) + store.device_bytes <= shrunk, (plan, store.device_bytes)
     stager.close()
+    store.close()
+
+
+@pytest.mark.parametrize("delta", ["on", "auto"])
+def test_auto_takes_no_delta_in_a_fence_save_and_keeps_no_reference_for_it(delta: str) -> None:
+    """The issue-15 setup (33.9 GB of state, 2.45 GB of budget, 268 MB MLP tensors) fences. There a
+    reference has no GPU room, and one in pinned host memory crosses PCIe while the fence holds
+    training; measured, delta saves stored what delta off stored and lost more. So ``delta="auto"``
+    takes no delta in a fence save and keeps no reference for it; ``"on"`` still takes the deltas
+    that fit. On a comfortable GPU both take every delta."""
+    from asyncckpt._delta_encode import reference_name
+    from asyncckpt._gpu.pipeline import _delta_forms, _record_references
+
+    mib = 1 << 20
+    sizes = [268 * mib] * 80 + [201 * mib] * 30 + [67 * mib] * 30 + [4 * mib] * 40
+    tensors = [torch.empty(n, dtype=torch.uint8, device="meta") for n in sizes]  # sizes only: nothing allocated
+    stager = GpuStager("auto", CPU, 1, lambda _snapshot: None, 64 * mib, gpu_budget_bytes=2_450_000_000,
+                       host_budget_bytes=1 << 30)  # fmt: skip
+    stager.forms_per_tensor, stager.delta_auto = 3, delta == "auto"
+    store = _store(device_budget=0, host_budget=1 << 30)
+    stager.references = store
+    plan = stager._plan(tensors, [True] * len(tensors))
+    assert plan.mode == "fence"
+    if delta == "auto":
+        assert plan.max_delta_bytes == 0 and "delta='auto' takes no delta in a fence save" in plan.reason
+    else:
+        assert 67 * mib <= plan.max_delta_bytes < 201 * mib  # the attention projections, not the MLP
+    assert store.device_budget_bytes == 0, "a fence leaves references no GPU room either way"
+    stager.gpu_budget_bytes = 140 << 30
+    roomy = stager._plan(tensors, [True] * len(tensors))
+    assert roomy.mode == "device" and roomy.max_delta_bytes >= max(sizes), "a comfortable GPU: every delta"
+    stager.close()
+    # The compressor's bookkeeping at that save's limit: no delta forms, and a full save keeps no
+    # reference (pinned host memory for nothing), where the limit of "on" keeps the small ones.
+    writer = DeltaWriter(store, delta, 100, 1 << 30, "full")  # type: ignore[arg-type]
+    state = {"attention": _bytes(1, 3000), "mlp": _bytes(2, 9000)}
+    for step in (1, 2, 3):
+        session = writer.begin(step)
+        session.max_delta_bytes = 0 if delta == "auto" else 5000
+        staged = {key: StagedTensor(key, torch.uint8, (raw.numel(),), CPU, raw) for key, raw in state.items()}
+        took = {key: bool(_delta_forms(session, staged[key], raw)) for key, raw in state.items()}
+        _record_references(session, list(enumerate(staged.values())), list(state.values()))
+        session.committed(step, f"{step:064x}", session.reference is not None)
+        assert store.wait_prepared(timeout_seconds=30)
+        assert not took["mlp"]
+        if step == 3:  # save 1 kept no reference (first saves never do), save 2 the ones it may
+            assert took["attention"] == (delta == "on"), took
+        held = store.reference(reference_name("attention", torch.uint8), 3000) is not None
+        assert held == (delta == "on" and step >= 2), (step, held)
+    if delta == "auto":
+        assert store.host_bytes == store.device_bytes == 0
     store.close()

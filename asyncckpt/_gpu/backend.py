@@ -53,6 +53,7 @@ def build_gpu_backend(options: CheckpointOptions) -> Backend:
     )
     if encoder.delta is not None:
         stager.forms_per_tensor = DELTA_SCRATCH_FACTOR
+        stager.delta_auto = options.delta == "auto"
         store = encoder.delta.store
         if isinstance(store, DeviceReferenceStore):  # references are recorded only for what is compressed
             store.min_record_bytes = MIN_COMPRESS_BYTES if options.codec != "none" else NO_RECORDS

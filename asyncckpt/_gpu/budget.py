@@ -153,6 +153,26 @@ def with_delta_limit(plan: StagingPlan, forms: int, largest_tensor_bytes: int, s
     return dataclasses.replace(plan, max_delta_bytes=min(plan.max_compress_bytes, plan.lone_scratch_bytes // per_byte))
 
 
+def without_deltas(plan: StagingPlan) -> StagingPlan:
+    """``plan`` taking no delta in any tensor (``max_delta_bytes`` 0): what ``delta="auto"`` does
+    in a ``fence`` save, whose references a fence's budget leaves no GPU room for.
+
+    Why: a delta is computed on the GPU against the tensor's reference, so a reference held in
+    pinned host memory crosses PCIe (to the GPU, and its update back in a full save) while the
+    fence holds the optimizer step: its raw bytes, where the delta saves a fraction of its
+    compressed bytes (1.17x to 1.5x on FP32 weights: about a seventh of the raw bytes). Measured on
+    a full GPU (2.8B parameters, 10 GB free, H100, 2026-12-06, ``docs/benchmarks.md``): delta saves
+    stored 1.199x where delta off stored 1.199x beside them, and lost 0.11-0.23 s more training per
+    save. ``delta="on"`` still takes them. The reference memory goes too: every key is over the
+    limit, so a full save keeps no reference (``pipeline._record_references``)."""
+    return dataclasses.replace(
+        plan,
+        max_delta_bytes=0,
+        reason=f"{plan.reason}; delta='auto' takes no delta in a fence save (its references would cross PCIe "
+        "while the fence holds training)",
+    )
+
+
 def reference_room(plan: StagingPlan, device_bytes: int, arena_bytes: int, slots: int,
                    largest_tensor_bytes: int, forms: int) -> int:  # fmt: skip
     """GPU bytes of ``plan``'s budget that delta references may take: what is left once the arena

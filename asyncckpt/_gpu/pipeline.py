@@ -277,7 +277,9 @@ class GpuEncoder:
                         log.warning("asyncckpt: %s", note)
                 if session is not None and session.too_large:
                     note = (
-                        f"{len(session.too_large)} tensors over {session.max_delta_bytes} bytes stored without "
+                        "stored without deltas: delta='auto' takes none in a fence save (see the snapshot reason)"
+                        if session.max_delta_bytes == 0
+                        else f"{len(session.too_large)} tensors over {session.max_delta_bytes} bytes stored without "
                         "a delta: the GPU staging budget has no scratch for their delta forms "
                         "(raise gpu_staging_budget_bytes)"
                     )

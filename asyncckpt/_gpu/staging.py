@@ -50,6 +50,7 @@ from .budget import (
     reference_room,
     scratch_of,
     with_delta_limit,
+    without_deltas,
 )
 from .pinned_pool import PinnedPool
 from .snapshot import BlobChannel, GpuSnapshot
@@ -258,6 +259,8 @@ class GpuStager:
         """Pinned blocks for compressed bytes a ``fence`` save cannot keep on the GPU."""
         self._one_gpu = torch.cuda.device_count() == 1
         self.forms_per_tensor = 1
+        self.delta_auto = False
+        """``delta="auto"``: a ``fence`` save takes no deltas (:func:`~asyncckpt._gpu.budget.without_deltas`)."""
         """How many encodings of one tensor the compressor may hold at once: 1, or each delta form
         beside the tensor's own bytes in an incremental save (set by the backend). A tensor larger
         than a group is encoded alone, so its scratch counts this many times."""
@@ -382,6 +385,8 @@ class GpuStager:
             self.window_bytes,
             self.fence_allowed,
         )
+        if self.delta_auto and plan.mode == "fence" and self.forms_per_tensor > 1:
+            return without_deltas(plan)
         return with_delta_limit(plan, self.forms_per_tensor, largest, self.slots)
 
     def _to_arena(self, indices: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
