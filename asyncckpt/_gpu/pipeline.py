@@ -256,7 +256,8 @@ class GpuEncoder:
                 if session is not None:
                     session.exclude_duplicates(t.key for t in snapshot.tensors)
                     session.max_delta_bytes = snapshot.plan.max_delta_bytes
-                    if session.base is not None:  # each tensor's delta forms take scratch beside it
+                    # Each tensor's delta forms take scratch beside it (none where the plan takes no delta).
+                    if session.base is not None and session.max_delta_bytes != 0:
                         group_bytes = max(MIN_RETRY_GROUP_BYTES, group_bytes // DELTA_SCRATCH_FACTOR)
                         stats.group_bytes = group_bytes
                 groups = self._plan(snapshot.tensors, group_bytes)
