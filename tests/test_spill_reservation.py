@@ -13,8 +13,9 @@ import math
 import threading
 import time
 
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncckpt._gpu.pinned_pool import PIN_THREADS, PinnedBlock, PinnedPool, block_size_for
@@ -35,9 +36,9 @@ class VirtualPool(PinnedPool):
         self.on_compressor: list[int] = []
         self.compressor = threading.current_thread()
 
-    def reserve(self, sizes, threads=8):  # type: ignore[no-untyped-def]
+    def reserve(self, sizes, threads=8, front=False):  # type: ignore[no-untyped-def]
         self.asked.append(list(sizes))
-        return super().reserve(sizes, threads)
+        return super().reserve(sizes, threads, front)
 
     def _allocate(self, size: int) -> PinnedBlock:
         if threading.current_thread() is self.compressor:
@@ -61,9 +62,10 @@ def simulate(pool: VirtualPool, groups: list[list[tuple[SpillTensor, int]]], res
     spilled, held = [], []
     for i, group in enumerate(groups):
         packed = packed_size([n for _t, n in group])
-        upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
-        reservation.group_resolved(group, packed, upcoming, resident)
         stored = sum(n for _t, n in group)
+        upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
+        reservation.group_resolved(group, stored, packed, upcoming, resident)
+        pool.join()  # the reservation's blocks before the compressor asks: the same blocks every run
         if stored <= resident:
             resident -= stored
             continue
@@ -110,7 +112,7 @@ def test_the_first_group_then_the_window_ahead_at_each_classs_ratio_in_the_order
 
     def resolve(tensor: SpillTensor, stored: int, resident: int = 0) -> None:
         later = (w + m)[(w + m).index(tensor) + 1 :]
-        reservation.group_resolved([(tensor, stored)], stored, [[t] for t in later], resident)
+        reservation.group_resolved([(tensor, stored)], stored, stored, [[t] for t in later], resident)
         pool.join()
         if stored > resident:
             held.append(pool.acquire(stored))  # in use until the save ends
@@ -134,13 +136,15 @@ def test_the_first_group_then_the_window_ahead_at_each_classs_ratio_in_the_order
     pool.recycle(held)  # the save ends: what it used is kept, the blocks reserved past its end are freed
     assert pool.allocated_bytes == sum(b.nbytes for b in held) < 6 * block_size_for(80 * MiB)
     before = pool.allocated_bytes
-    SpillReservation(pool).group_resolved(first, 80 * MiB, [[t] for t in w[1:]], resident_left=0)
+    SpillReservation(pool).group_resolved(first, 80 * MiB, 80 * MiB, [[t] for t in w[1:]], resident_left=0)
     pool.join()
     assert pool.allocated_bytes == before, "a next save's groups find blocks free: nothing pinned"
     pool.close()
 
 
 @settings(max_examples=60, deadline=None)
+@example(weights=10, params=19, size_mib=146, ratio_weights=1.0, ratio_first=0.9375, ratio_second=1.0,
+         jitter=[1.0, 1.015625, 0.984375], resident_mib=0)  # a reused block without headroom (review)  # fmt: skip
 @given(
     weights=st.integers(10, 120),
     params=st.integers(10, 120),
@@ -197,11 +201,87 @@ def test_reservations_asked_one_after_another_share_the_pools_threads() -> None:
     all (not that many per call), and each reservation's thread ends only once its sizes are pinned."""
     pool = CountingPool(budget_bytes=GiB)
     threads = [pool.reserve([MiB] * 3) for _ in range(12)]
-    first = threads[0]
-    first.join()
-    assert len(pool._free) >= 3, "its sizes were queued first, so they are pinned"
     for thread in threads:
         thread.join()
     assert len(pool._free) == 36 and pool._pin_workers == 0
     assert 1 < pool.most <= PIN_THREADS, pool.most
+    pool.close()
+
+
+def test_a_reservation_whose_thread_cannot_start_leaves_the_pool_working(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation thread that fails to start (no threads left) raises to its caller, and the pool
+    still pins for the next one and hands blocks out (it used to count workers that never existed:
+    every later reservation waited on them, and so did the compressor's acquire)."""
+    pool = CountingPool(budget_bytes=GiB)
+    start = threading.Thread.start
+
+    def failing_start(thread: threading.Thread) -> None:
+        if thread.name == "asyncckpt-reserve":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    with pytest.raises(RuntimeError):
+        pool.reserve([MiB] * 4)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert pool._pin_workers == 0 and not pool._pending
+    later = pool.reserve([2 * MiB])
+    later.join(timeout=10)
+    assert not later.is_alive(), "the next reservation pinned"
+    got: list[PinnedBlock | None] = []
+    acquiring = threading.Thread(target=lambda: got.append(pool.acquire(2 * MiB)))
+    acquiring.start()
+    acquiring.join(timeout=10)
+    assert got and got[0] is not None and got[0].nbytes >= 2 * MiB
+    pool.close()
+
+
+def test_a_tensor_stored_raw_moves_the_window_on() -> None:
+    """After GPU memory ran short a tensor may be stored raw, outside any group; the reservation's
+    position moves past it, so the blocks asked for the groups after it count as ahead and the
+    window is topped up on time (it once stayed behind by that tensor's bytes)."""
+    pool = VirtualPool(budget_bytes=64 * GiB)
+    reservation = SpillReservation(pool, ahead_bytes=400 * MiB)
+    t = [SpillTensor(f"model/l{i}.weight", torch.float32, 100 * MiB) for i in range(12)]
+    held = []
+
+    def resolve(i: int) -> None:
+        reservation.group_resolved([(t[i], 80 * MiB)], 80 * MiB, 80 * MiB, [[x] for x in t[i + 1 :]], 0)
+        pool.join()
+        held.append(pool.acquire(80 * MiB))
+
+    resolve(0)  # asks t1..t5
+    reservation.skipped(t[1].raw_bytes)  # t1 went raw: its block is a spare
+    resolve(2)
+    resolve(3)  # t4, t5 ahead: 160 MiB, under half the window
+    pool.join()
+    assert [len(a) for a in pool.asked] == [1, 5, 2], pool.asked  # t0 (exact), t1..t5, then t7, t8
+    assert pool.on_compressor == []
+    pool.close()
+
+
+def test_a_save_that_stays_on_the_gpu_walks_its_window_once_per_half_window() -> None:
+    """The reservation runs on the compressor thread while the fence holds training: a save whose
+    groups all stay on the GPU (nothing to pin) must not re-estimate the whole window after every
+    group (it did: 51 ms of Python per save of 384 groups, 510 ms with 50 tensors a group)."""
+
+    class Counting(SpillReservation):
+        calls = 0
+
+        def estimate(self, tensors):  # type: ignore[no-untyped-def]
+            Counting.calls += 1
+            return super().estimate(tensors)
+
+    pool = VirtualPool(budget_bytes=GiB)
+    groups = training_state(128, 128, {"weight": 0.8, "exp_avg": 0.9, "exp_avg_sq": 0.6}, 100 * MiB, [1.0])
+    reservation = Counting(pool, ahead_bytes=2 * GiB)
+    resident = 1 << 50
+    for i, group in enumerate(groups):
+        stored = sum(n for _t, n in group)
+        upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
+        reservation.group_resolved(group, stored, packed_size([n for _t, n in group]), upcoming, resident)
+        resident -= stored
+    # A 2 GiB window holds ~25 groups here: re-walked after every group, ~25 estimates a group.
+    assert Counting.calls <= 3 * len(groups), Counting.calls
+    assert pool.asked == [], "nothing spills, nothing is pinned"
     pool.close()

@@ -14,8 +14,9 @@ thread and 15.5 GB/s by eight, where the fault-in of one mapping by many threads
 ``AsyncCheckpointer.preallocate`` reserves before the first save; a save that starts while the
 reservation runs has the compressor's :meth:`PinnedPool.acquire` wait for a reserved block that
 fits rather than pin one of its own. A save that finds the pool short (a first save without
-``preallocate``) reserves the rest once its first group is compressed (:meth:`PinnedPool.cover`),
-sized to the later groups' raw bytes times that group's ratio: reserving raw sizes ahead was tried
+``preallocate``) reserves what it will spill a window ahead of its compressor (:meth:`PinnedPool.cover`,
+asked by :class:`~asyncckpt._gpu.spill_reservation.SpillReservation`), each group estimated at its
+raw bytes times the ratio its tensors' classes have shown so far: reserving raw sizes ahead was tried
 (2026-12-06, H100) and cut a first save's fence from 8.7 s to 5.1 s, but held 36.4 GB of pinned
 memory for 28.2 GB of compressed bytes (1.29x, where blocks sized to the compressed groups hold
 1.08x), and the pool keeps what a save used.
@@ -35,7 +36,6 @@ import contextlib
 import logging
 import mmap
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,13 +200,18 @@ class PinnedPool:
             free_block(block)
         return freed_bytes
 
-    def reserve(self, sizes: Sequence[int], threads: int = PIN_THREADS) -> threading.Thread:
+    def reserve(self, sizes: Sequence[int], threads: int = PIN_THREADS, front: bool = False) -> threading.Thread:
         """Pin free blocks of ``sizes`` bytes, in that order, on up to ``threads`` background threads
-        (within the budget); returns a thread that ends when they all have.
+        (within the budget; all reservations together use at most ``threads``); returns a thread that
+        ends when they all have, and the sizes queued before them. ``front``: ahead of those (a block
+        the compressor is waiting for).
 
         Each block is usable as soon as it is pinned, by a save that started before the rest were."""
         with self._lock:
-            self._pending.extend(sizes)
+            if front:
+                self._pending[0:0] = sizes
+            else:
+                self._pending.extend(sizes)
             self._pinning += 1
             # Threads already pinning take these sizes too (they stop only when nothing is
             # pending, a check made under this lock): a save that reserves group by group
@@ -273,42 +278,59 @@ class PinnedPool:
                     self._arrived.notify_all()
 
         thread = threading.Thread(target=run, name="asyncckpt-reserve", daemon=True)
-        thread.start()  # before it is listed: a thread not yet started is not alive, and would be pruned
+        try:
+            thread.start()  # before it is listed: a thread not yet started is not alive, and would be pruned
+        except BaseException:
+            # Undo what run() would have: counted workers that will never exist would leave every
+            # later reservation without threads, and acquire() waiting for sizes nobody pins.
+            with self._lock:
+                self._pin_workers -= spawn
+                self._pinning -= 1
+                if not self._pinning:
+                    self._pending.clear()
+                self._arrived.notify_all()
+            raise
         with self._lock:
             self._reserving = [t for t in self._reserving if t.is_alive()]
             self._reserving.append(thread)
         return thread
 
-    def cover(self, sizes: Sequence[int]) -> threading.Thread | None:
+    def cover(self, sizes: Sequence[int], estimated_from: int | None = None) -> threading.Thread | None:
         """Reserve blocks for those of ``sizes`` (in the order they will be asked for) that the free
-        blocks and the blocks reservations are pinning do not cover; the reservation's thread, or
-        None when nothing is missing. Each block covers one size it fits, largest sizes first; the
-        missing ones are pinned in the order given.
+        blocks and the blocks reservations are pinning do not cover; the last reservation's thread,
+        or None when nothing is missing. Each block covers one size it fits, largest sizes first;
+        the missing ones are pinned in the order given.
 
-        The compressor's call once a ``fence`` save has resolved its first group: the sizes are
-        those of its groups that will spill, the first at its packed size and the later ones at
-        their raw sizes scaled by its ratio, so what is pinned ahead follows the compressed bytes
-        (within a block's headroom) rather than the raw ones, and the pinning runs on
-        :data:`PIN_THREADS` threads beside the compressor."""
+        ``estimated_from``: the sizes from this index on are estimates (of groups not yet
+        compressed), covered only by a block with the headroom a new one would get
+        (:func:`block_size_for`), since the group may come out a little larger; the sizes before it
+        are exact (resolved groups, waiting for their blocks), and those missing are pinned ahead of
+        everything pending. The compressor's calls during a ``fence`` save
+        (:class:`~asyncckpt._gpu.spill_reservation.SpillReservation`) pin what is ahead of it on
+        :data:`PIN_THREADS` threads beside it."""
+        exact = len(sizes) if estimated_from is None else estimated_from
         with self._lock:
             have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
-        # Each size takes the smallest block that fits it, largest sizes first.
-        missing: Counter[int] = Counter()
-        for size in sorted(sizes, reverse=True):
-            if have and size <= have[-1]:
-                have.pop(next(i for i, n in enumerate(have) if size <= n))  # the smallest that fits
+        # Each size takes the smallest block that fits it, largest sizes first; exact sizes (wanted
+        # now) before estimates.
+        wants = sorted(((i < exact, size if i < exact else block_size_for(size), i) for i, size in enumerate(sizes)),
+                       reverse=True)  # fmt: skip
+        missing: set[int] = set()
+        for _now, want, i in wants:
+            if have and want <= have[-1]:
+                have.pop(next(k for k, n in enumerate(have) if want <= n))  # the smallest that fits
             else:
-                missing[size] += 1
-        if not missing:
-            return None
+                missing.add(i)
         # In the order they will be asked for: acquire takes the first block that fits, so a
         # large block pinned first would go to a small early group and leave a large one without.
-        ordered = []
-        for size in sizes:
-            if missing[size]:
-                missing[size] -= 1
-                ordered.append(size)
-        return self.reserve(ordered)
+        now = [sizes[i] for i in sorted(missing) if i < exact]
+        later = [sizes[i] for i in sorted(missing) if i >= exact]
+        thread = None
+        if now:
+            thread = self.reserve(now, front=estimated_from is not None)
+        if later:
+            thread = self.reserve(later)
+        return thread
 
     @property
     def reserving(self) -> bool:

@@ -352,13 +352,15 @@ class GpuEncoder:
                 else:
                     todo = deque(retry[1:])
                     outgoing.append(self._store_raw(snapshot, retry[0], stats))
+                    reservation.skipped(_group_raw(retry[0]))
                     continue
                 note = f"GPU memory ran short while compressing: groups of {group_bytes} bytes or single tensors"
                 stats.notes.append(note)
                 log.warning("asyncckpt: %s", note)
                 continue
             upcoming = (_spill_tensors(g) for g in itertools.chain((g for g, _work in encoding), todo))
-            reservation.group_resolved(_stored_per_tensor(resolved, blobs), packed.numel(), upcoming, resident_left)
+            reservation.group_resolved(_stored_per_tensor(resolved, blobs), nbytes, packed.numel(), upcoming,
+                                       resident_left)  # fmt: skip
             if nbytes <= resident_left:
                 resident_left -= nbytes
                 outgoing.append((blobs, nbytes, None, None))

@@ -22,12 +22,16 @@ half is used, so what a wrong estimate can pin in excess is bounded by the windo
 estimated once it is near, when more of its class has been seen. The window keeps the pool's
 threads busy: the compressor resolves a ~100 MB group in a few milliseconds, a thread pins one in
 tens (15.5 GB/s on eight threads, ``pinned_pool``), so pinning, not the window, paces a first save.
+An estimate is covered only by a block with a new block's headroom (``PinnedPool.cover``'s
+``estimated_from``): a group may come out a few percent over its estimate, and a block that fits
+only the estimate would have the compressor pin one of its own while the fence holds.
 
 Compressor thread only (one object per ``fence`` save); the pinning runs on the pool's threads.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,6 +53,7 @@ class SpillTensor:
     raw_bytes: int
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked per tensor per window during the fence; keys repeat every save
 def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
     """The leaf of a flattened key (``optim/state/3/exp_avg`` -> ``exp_avg``,
     ``model/layers.0.mlp.weight`` -> ``weight``) with the dtype."""
@@ -93,15 +98,16 @@ class SpillReservation:
             total += t.raw_bytes * ((known.get() if known else None) or whole)
         return max(1, math.ceil(total))
 
-    def group_resolved(self, stored: list[tuple[SpillTensor, int]], packed_bytes: int,
+    def group_resolved(self, stored: list[tuple[SpillTensor, int]], nbytes: int, packed_bytes: int,
                        upcoming: Iterable[list[SpillTensor]], resident_left: int) -> None:  # fmt: skip
         """Learn from a resolved group (each tensor with the bytes it stores) and top the reservation up.
 
-        ``packed_bytes``: the group's packed size (its block, if it spills); ``upcoming``: the groups
-        after it, in order (read only as far as the window needs); ``resident_left``: GPU bytes the
-        plan still lets stay, before this group takes its share (the compressor's own rule: a group
-        stays on the GPU while it fits, else it spills and so does everything after it)."""
-        group_stored = sum(n for _t, n in stored)
+        ``nbytes``: what the group stores (the compressor's measure of whether it stays on the GPU);
+        ``packed_bytes``: its packed size (its block, if it spills); ``upcoming``: the groups after it,
+        in order (read only as far as the window needs); ``resident_left``: GPU bytes the plan still
+        lets stay, before this group takes its share. The compressor keeps a group on the GPU while
+        it fits what is left; a later group, smaller, may still stay after one has spilled, so the
+        window asks for a block for it (one block over, at most, per such group)."""
         for t, n in stored:
             self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio()).add(t.raw_bytes, n)
             self._whole.add(t.raw_bytes, n)
@@ -113,11 +119,12 @@ class SpillReservation:
         # only what the free and pending blocks cannot stand in for, and a block asked for an
         # upcoming group must not be counted as covering another.
         sizes: list[int] = []
-        if group_stored <= resident_left:
-            resident_left -= group_stored
+        if nbytes <= resident_left:
+            resident_left -= nbytes
         else:
             resident_left = 0
             sizes.append(max(1, packed_bytes))  # acquired once this returns: still free now
+        exact = len(sizes)
         position, ahead = self._resolved_raw, 0
         for group in upcoming:
             if ahead >= self.ahead_bytes:
@@ -125,13 +132,18 @@ class SpillReservation:
             position += sum(t.raw_bytes for t in group)
             size = self.estimate(group)
             ahead += size
+            if position > self._asked_raw:  # counted for the top-up, whether it spills or stays
+                self._asked_ahead.append((position, size))
             if size <= resident_left:
                 resident_left -= size  # stays on the GPU, as the compressor decides
                 continue
-            resident_left = 0  # from here on every group spills (a later, smaller one may stay: a block over)
+            resident_left = 0
             sizes.append(size)
-            if position > self._asked_raw:
-                self._asked_ahead.append((position, size))
         self._asked_raw = max(self._asked_raw, position)
         if sizes:
-            self.pool.cover(sizes)
+            self.pool.cover(sizes, estimated_from=exact)
+
+    def skipped(self, raw_bytes: int) -> None:
+        """A tensor of ``raw_bytes`` left the save's order without a group (stored raw after GPU
+        memory ran short): it moves the position the window is counted from."""
+        self._resolved_raw += raw_bytes
