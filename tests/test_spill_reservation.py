@@ -127,11 +127,11 @@ def test_the_first_group_then_the_window_ahead_at_each_classs_ratio_in_the_order
     assert len(pool.asked) == 1, "w3, m0, m1 are still asked ahead: 240 MiB, over half the window"
     resolve(w[3], 80 * MiB)
     assert pool.asked[1:] == [[80 * MiB] * 3], "topped up under half: m2..m4 (m0, m1 were asked already)"
-    resolve(m[0], 50 * MiB)
+    resolve(m[0], 50 * MiB)  # a class first seen: the window is re-estimated at once
+    assert pool.asked[2:] == [[50 * MiB]], "m5, at the moments' 0.5; m1..m4 fit the blocks asked at 0.8"
     resolve(m[1], 50 * MiB)
-    assert len(pool.asked) == 2
     resolve(m[2], 50 * MiB)
-    assert pool.asked[2:] == [[50 * MiB]], "m5, at the moments' 0.5 now that they have been seen"
+    assert len(pool.asked) == 3, "nothing new: the window ahead is covered"
     assert pool.on_compressor == [], "every block was pinned ahead, none on the compressor's thread"
     pool.recycle(held)  # the save ends: what it used is kept, the blocks reserved past its end are freed
     assert pool.allocated_bytes == sum(b.nbytes for b in held) < 6 * block_size_for(80 * MiB)

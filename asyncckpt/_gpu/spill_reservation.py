@@ -108,12 +108,14 @@ class SpillReservation:
         lets stay, before this group takes its share. The compressor keeps a group on the GPU while
         it fits what is left; a later group, smaller, may still stay after one has spilled, so the
         window asks for a block for it (one block over, at most, per such group)."""
+        seen = len(self._classes)
         for t, n in stored:
             self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio()).add(t.raw_bytes, n)
             self._whole.add(t.raw_bytes, n)
             self._resolved_raw += t.raw_bytes
         self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
-        if self._asked_raw and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
+        new_class = len(self._classes) > seen  # the window ahead was estimated without it: re-estimate now
+        if self._asked_raw and not new_class and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
             return
         # The whole window, this group's block and those asked for before included: cover() pins
         # only what the free and pending blocks cannot stand in for, and a block asked for an
