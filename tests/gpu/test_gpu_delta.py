@@ -122,6 +122,32 @@ def test_a_tight_budget_keeps_the_fence_and_drops_only_the_large_deltas(run_dir:
     assert not saved[0][1].notes, saved[0][1]  # a full save had no delta to give up
 
 
+@pytest.mark.parametrize("snapshot", ["fence", "device"])
+def test_auto_takes_no_delta_in_a_fence_save_and_deltas_in_a_copy(run_dir: Path, snapshot: str) -> None:
+    """``delta="auto"``: a fence save, whose references could only cross PCIe while the fence holds
+    training, takes no delta and keeps no reference memory, and says why; a device copy's chain takes
+    deltas. Every step restores bit for bit."""
+    trainer = Trainer(width=2048, layers=1, autocast=True, fused=True)
+    trainer.step()
+    largest = max(t.nbytes for t in trainer.model.state_dict().values())
+    budget = 12 * largest if snapshot == "fence" else 17 << 30
+    with asyncckpt.AsyncCheckpointer(run_dir, snapshot=snapshot, delta="auto", delta_full_every=4,
+                                     gpu_staging_budget_bytes=budget) as ckpt:  # fmt: skip
+        ckpt.preallocate(trainer.state(grads=False)).join(120)
+        saved = save_steps(ckpt, trainer, (1, 2, 3), wait_for_references=True)
+        store: Any = ckpt._delta.store  # type: ignore[union-attr]
+        held = store.device_bytes + store.host_bytes
+    for reference, result in saved:
+        assert result.snapshot_mode == snapshot and result.ratio > 1.05, result
+        assert first_difference(reference, asyncckpt.load(run_dir, step=result.step)) is None, result.step
+    deltas = [t.delta for _reference, result in saved for t in read_manifest(result.path).tensors if t.delta]
+    if snapshot == "fence":
+        assert all("delta='auto' takes no delta in a fence save" in r.snapshot_reason for _s, r in saved), saved
+        assert not deltas and held == 0, (deltas, held)
+    else:
+        assert deltas, "a copy's chain takes deltas"
+
+
 def test_references_take_only_the_room_the_budget_leaves_and_give_it_up_when_it_shrinks(run_dir: Path) -> None:
     """One GPU budget for staging and references. Of a 17 GiB budget, a device copy of this small
     state takes its arena, the writer's 1 GiB window and 8 GiB of scratch (1 GiB groups), and the
