@@ -20,6 +20,7 @@ from test_staging_budget import memory_held  # the model of what a plan may hold
 
 from asyncckpt._codecs.zstd import ZstdCodec
 from asyncckpt._delta_encode import DeltaWriter
+from asyncckpt._gpu.budget import fenced_instead
 from asyncckpt._gpu.delta_store import DeviceReferenceStore
 from asyncckpt._gpu.staging import GpuStager, _worse
 from asyncckpt._snapshot.base import StagedTensor
@@ -500,6 +501,9 @@ def test_auto_takes_no_delta_in_a_fence_save_and_keeps_no_reference_for_it(delta
     stager.gpu_budget_bytes = 140 << 30
     roomy = stager._plan(tensors, [True] * len(tensors))
     assert roomy.mode == "device" and roomy.max_delta_bytes >= max(sizes), "a comfortable GPU: every delta"
+    # Fenced after planning, when the copy's arena could not be allocated: the same rule.
+    fenced = stager._fence_rule(fenced_instead(roomy, "the device arena could not be allocated", True, 3))
+    assert fenced.mode == "fence" and (fenced.max_delta_bytes == 0) == (delta == "auto"), fenced
     stager.close()
     # The compressor's bookkeeping at that save's limit: no delta forms, and a full save keeps no
     # reference (pinned host memory for nothing), where the limit of "on" keeps the small ones.

@@ -34,6 +34,8 @@ class VirtualPool(PinnedPool):
         super().__init__(budget_bytes, pin=False)
         self.asked: list[list[int]] = []
         self.on_compressor: list[int] = []
+        self.order: list[int] = []
+        """Sizes pinned, in the order pinning began."""
         self.compressor = threading.current_thread()
 
     def reserve(self, sizes, threads=8, front=False):  # type: ignore[no-untyped-def]
@@ -41,6 +43,7 @@ class VirtualPool(PinnedPool):
         return super().reserve(sizes, threads, front)
 
     def _allocate(self, size: int) -> PinnedBlock:
+        self.order.append(size)
         if threading.current_thread() is self.compressor:
             self.on_compressor.append(size)
         return PinnedBlock(data=torch.empty(size, dtype=torch.uint8), _mapping=None, pinned=False)
@@ -284,4 +287,40 @@ def test_a_save_that_stays_on_the_gpu_walks_its_window_once_per_half_window() ->
     # A 2 GiB window holds ~25 groups here: re-walked after every group, ~25 estimates a group.
     assert Counting.calls <= 3 * len(groups), Counting.calls
     assert pool.asked == [], "nothing spills, nothing is pinned"
+    pool.close()
+
+
+@pytest.mark.parametrize(("before", "after"), [(0.8, 0.88), (0.5, 0.9), (0.9, 0.5), (0.6, 1.0)])
+def test_a_class_whose_ratio_drifts_costs_at_most_a_window_and_no_pin_on_the_compressor(
+    before: float, after: float
+) -> None:
+    """30 GB of one class whose ratio steps after a third of the save (layers trained differently):
+    groups then come out over their blocks' headroom. Each one's block is pinned at once, ahead of
+    the queue, on the pool's threads (the compressor pinned them itself, 12-71 blocks, when only a
+    window top-up asked for them), the estimates follow within a few groups, and what the blocks
+    asked at the old ratio waste stays within the window."""
+    groups = [
+        [(SpillTensor(f"model/l{i}.weight", torch.float32, 100 * MiB), int(100 * MiB * (before if i < 100 else after)))]
+        for i in range(300)
+    ]
+    pool = VirtualPool(budget_bytes=1 << 50)
+    ahead = 2 * GiB
+    spilled = simulate(pool, groups, 0, ahead)
+    exact = sum(block_size_for(n) for n in spilled)
+    assert pool.on_compressor == []
+    assert pool.allocated_bytes <= exact + 1.25 * ahead, (pool.allocated_bytes - exact) / GiB
+    pool.close()
+
+
+def test_a_resolved_group_is_not_covered_by_a_much_larger_block_still_queued() -> None:
+    """A group that came out over its block waits for a block of its own size, pinned ahead of the
+    queue, not for a far larger one queued for a later tensor (acquire would wait behind the queue
+    for it, and take it from the tensor it was meant for)."""
+    pool = VirtualPool(budget_bytes=64 * GiB)
+    with pool._lock:
+        pool._pending = [GiB]  # queued for a 1 GiB tensor ahead; no thread has taken it yet
+    pool.cover([60 * MiB, 50 * MiB], estimated_from=1)
+    pool.join()
+    assert pool.asked == [[60 * MiB]], "the estimate fits the queued block; the resolved group does not take it"
+    assert pool.order[0] == block_size_for(60 * MiB), pool.order
     pool.close()

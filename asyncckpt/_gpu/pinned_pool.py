@@ -203,8 +203,8 @@ class PinnedPool:
     def reserve(self, sizes: Sequence[int], threads: int = PIN_THREADS, front: bool = False) -> threading.Thread:
         """Pin free blocks of ``sizes`` bytes, in that order, on up to ``threads`` background threads
         (within the budget; all reservations together use at most ``threads``); returns a thread that
-        ends when they all have, and the sizes queued before them. ``front``: ahead of those (a block
-        the compressor is waiting for).
+        ends once nothing is left to pin (these sizes and any other reservation's). ``front``: ahead
+        of the sizes already queued (a block the compressor is waiting for).
 
         Each block is usable as soon as it is pinned, by a save that started before the rest were."""
         with self._lock:
@@ -309,25 +309,32 @@ class PinnedPool:
         (:class:`~asyncckpt._gpu.spill_reservation.SpillReservation`) pin what is ahead of it on
         :data:`PIN_THREADS` threads beside it."""
         exact = len(sizes) if estimated_from is None else estimated_from
+        urgent = estimated_from is not None
         with self._lock:
-            have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
+            have = sorted([(b.nbytes, True) for b in self._free]
+                          + [(block_size_for(n), False) for n in (*self._pending, *self._in_pin)])  # fmt: skip
         # Each size takes the smallest block that fits it, largest sizes first; exact sizes (wanted
-        # now) before estimates.
+        # now) before estimates. A resolved group's size is not covered by a block still to be
+        # pinned for a much larger one: acquire would wait for it behind the queue, and take it
+        # from the tensor it was meant for.
         wants = sorted(((i < exact, size if i < exact else block_size_for(size), i) for i, size in enumerate(sizes)),
                        reverse=True)  # fmt: skip
         missing: set[int] = set()
-        for _now, want, i in wants:
-            if have and want <= have[-1]:
-                have.pop(next(k for k, n in enumerate(have) if want <= n))  # the smallest that fits
-            else:
+        for resolved, want, i in wants:
+            cap = 2 * block_size_for(want) if resolved and urgent else None
+            fits = (k for k, (n, free) in enumerate(have) if want <= n and (free or cap is None or n <= cap))
+            k = next(fits, None)  # the smallest that fits
+            if k is None:
                 missing.add(i)
+            else:
+                have.pop(k)
         # In the order they will be asked for: acquire takes the first block that fits, so a
         # large block pinned first would go to a small early group and leave a large one without.
         now = [sizes[i] for i in sorted(missing) if i < exact]
         later = [sizes[i] for i in sorted(missing) if i >= exact]
         thread = None
         if now:
-            thread = self.reserve(now, front=estimated_from is not None)
+            thread = self.reserve(now, front=urgent)
         if later:
             thread = self.reserve(later)
         return thread

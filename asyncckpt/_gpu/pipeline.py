@@ -279,7 +279,7 @@ class GpuEncoder:
                 if session is not None and session.too_large:
                     note = (
                         "stored without deltas: delta='auto' takes none in a fence save (see the snapshot reason)"
-                        if session.max_delta_bytes == 0
+                        if session.max_delta_bytes == 0 and session.writer.mode == "auto" and gate is not None
                         else f"{len(session.too_large)} tensors over {session.max_delta_bytes} bytes stored without "
                         "a delta: the GPU staging budget has no scratch for their delta forms "
                         "(raise gpu_staging_budget_bytes)"

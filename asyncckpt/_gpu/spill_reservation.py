@@ -7,7 +7,8 @@ the pool's threads, in the order the compressor will ask for them. A block must 
 *compressed* bytes, which are known only once the group is encoded; before that they are estimated.
 
 The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for its
-class, the leaf of its key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...): the
+class, weighted to its latest tensors (a class's ratio may drift through a trained model's layers),
+the leaf of its key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...): the
 classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and Adam's
 first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every weight, then
 each parameter's moments in turn). A class not seen yet takes the ratio of the whole save so far.
@@ -24,7 +25,8 @@ threads busy: the compressor resolves a ~100 MB group in a few milliseconds, a t
 tens (15.5 GB/s on eight threads, ``pinned_pool``), so pinning, not the window, paces a first save.
 An estimate is covered only by a block with a new block's headroom (``PinnedPool.cover``'s
 ``estimated_from``): a group may come out a few percent over its estimate, and a block that fits
-only the estimate would have the compressor pin one of its own while the fence holds.
+only the estimate would have the compressor pin one of its own while the fence holds. A group that
+comes out over every block there is gets one of its size at once, ahead of the queue.
 
 Compressor thread only (one object per ``fence`` save); the pinning runs on the pool's threads.
 """
@@ -55,21 +57,34 @@ class SpillTensor:
 
 @functools.lru_cache(maxsize=1 << 16)  # asked per tensor per window during the fence; keys repeat every save
 def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
-    """The leaf of a flattened key (``optim/state/3/exp_avg`` -> ``exp_avg``,
-    ``model/layers.0.mlp.weight`` -> ``weight``) with the dtype."""
-    return key.rsplit("/", 1)[-1].rsplit(".", 1)[-1], dtype
+    """The last non-numeric part of a flattened key (``optim/state/3/exp_avg`` -> ``exp_avg``,
+    ``model/layers.0.mlp.weight`` -> ``weight``, ``model/params.7`` -> ``params``) with the dtype:
+    a numbered leaf (a ``ParameterList``) would make every tensor a class of its own."""
+    parts = key.replace(".", "/").split("/")
+    return next((p for p in reversed(parts) if not p.isdigit()), key), dtype
 
 
 @dataclass
 class _Ratio:
+    """Stored/raw over the whole save so far (``recent=False``), or an average that halves the
+    weight of what came before at each tensor (``recent=True``, a class's: a class whose ratio
+    drifts through the save, as a trained model's layers may, is followed within a few tensors)."""
+
+    recent: bool = False
     raw: int = 0
     stored: int = 0
+    value: float | None = None
 
     def add(self, raw: int, stored: int) -> None:
         self.raw += raw
         self.stored += stored
+        if raw:
+            seen = stored / raw
+            self.value = seen if self.value is None else (self.value + seen) / 2
 
     def get(self) -> float | None:
+        if self.recent:
+            return self.value
         return self.stored / self.raw if self.raw else None
 
 
@@ -110,12 +125,14 @@ class SpillReservation:
         window asks for a block for it (one block over, at most, per such group)."""
         seen = len(self._classes)
         for t, n in stored:
-            self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio()).add(t.raw_bytes, n)
+            self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio(recent=True)).add(t.raw_bytes, n)
             self._whole.add(t.raw_bytes, n)
             self._resolved_raw += t.raw_bytes
         self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
         new_class = len(self._classes) > seen  # the window ahead was estimated without it: re-estimate now
         if self._asked_raw and not new_class and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
+            if nbytes > resident_left:  # it spills: a block for it now if none fits (it came out over its estimate)
+                self.pool.cover([max(1, packed_bytes)], estimated_from=1)
             return
         # The whole window, this group's block and those asked for before included: cover() pins
         # only what the free and pending blocks cannot stand in for, and a block asked for an

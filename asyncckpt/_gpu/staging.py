@@ -259,11 +259,11 @@ class GpuStager:
         """Pinned blocks for compressed bytes a ``fence`` save cannot keep on the GPU."""
         self._one_gpu = torch.cuda.device_count() == 1
         self.forms_per_tensor = 1
-        self.delta_auto = False
-        """``delta="auto"``: a ``fence`` save takes no deltas (:func:`~asyncckpt._gpu.budget.without_deltas`)."""
         """How many encodings of one tensor the compressor may hold at once: 1, or each delta form
         beside the tensor's own bytes in an incremental save (set by the backend). A tensor larger
         than a group is encoded alone, so its scratch counts this many times."""
+        self.delta_auto = False
+        """``delta="auto"``: a ``fence`` save takes no deltas (:func:`~asyncckpt._gpu.budget.without_deltas`)."""
         self.on_mode: Callable[[str, str], None] | None = None
         """Told the mode of each save and why (:class:`~asyncckpt._gpu.budget.StagingPlan`) before stage() returns."""
         self.references: ReferenceMemory | None = None
@@ -291,8 +291,8 @@ class GpuStager:
             try:
                 acquired = self.arena.acquire([t for t, on in zip(tensors, here, strict=True) if on])
             except torch.cuda.OutOfMemoryError as exc:  # the budget is an estimate; never fail the save for it
-                plan = fenced_instead(plan, f"the device arena could not be allocated ({exc})", self.fence_allowed,
-                                      self.forms_per_tensor)  # fmt: skip
+                plan = self._fence_rule(fenced_instead(plan, f"the device arena could not be allocated ({exc})",
+                                                       self.fence_allowed, self.forms_per_tensor))  # fmt: skip
         mode = plan.mode
         if self.on_mode is not None:
             self.on_mode(mode, plan.reason)
@@ -385,9 +385,17 @@ class GpuStager:
             self.window_bytes,
             self.fence_allowed,
         )
-        if self.delta_auto and plan.mode == "fence" and self.forms_per_tensor > 1:
+        if self._takes_no_delta(plan):
             return without_deltas(plan)
         return with_delta_limit(plan, self.forms_per_tensor, largest, self.slots)
+
+    def _takes_no_delta(self, plan: StagingPlan) -> bool:
+        """``delta="auto"``'s rule: a ``fence`` save takes no delta (also one fenced after planning,
+        when its arena could not be allocated)."""
+        return self.delta_auto and plan.mode == "fence" and self.forms_per_tensor > 1
+
+    def _fence_rule(self, plan: StagingPlan) -> StagingPlan:
+        return without_deltas(plan) if self._takes_no_delta(plan) else plan
 
     def _to_arena(self, indices: list[int], sources: list[torch.Tensor], snapshot: GpuSnapshot,
                   acquired: ArenaSlot) -> tuple[torch.cuda.Event, torch.cuda.Event]:  # fmt: skip
