@@ -7,11 +7,12 @@ the pool's threads, in the order the compressor will ask for them. A block must 
 *compressed* bytes, which are known only once the group is encoded; before that they are estimated.
 
 The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for its
-class, weighted to its latest tensors (a class's ratio may drift through a trained model's layers),
-the leaf of its key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...): the
-classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and Adam's
-first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every weight, then
-each parameter's moments in turn). A class not seen yet takes the ratio of the whole save so far.
+class, weighted to the class's latest tensors (a ratio may drift through a trained model's layers).
+A class is the leaf of the tensor's key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...):
+the classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and
+Adam's first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every
+weight, then each parameter's moments in turn). A class not seen yet takes the ratio of the whole
+save so far.
 
 Why not one ratio for the save: taken once from the first group (as first built), the 2.8B model's
 first save held 30.4 GB of extra host memory for 26.0 GB stored (1.17x; H100, 2026-12-06,
