@@ -784,7 +784,7 @@ def _spill_tensors(group: list[tuple[int, StagedTensor]]) -> list[SpillTensor]:
 def _stored_per_tensor(group: list[tuple[int, StagedTensor]], blobs: Group) -> list[tuple[SpillTensor, int]]:
     """Each tensor of a resolved group with the bytes it stores (what the reservation learns from)."""
     stored = {index: blob.stored_bytes for index, blob in blobs}
-    return [(SpillTensor(staged.key, staged.dtype, staged.data.numel()), stored[index]) for index, staged in group]
+    return list(zip(_spill_tensors(group), [stored[index] for index, _staged in group], strict=True))
 
 
 def _group_raw(group: list[tuple[int, StagedTensor]]) -> int:

@@ -66,52 +66,29 @@ def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
 
 
 @dataclass
-class _Ratio:
-    """Stored/raw over the whole save so far (``recent=False``), or an average that halves the
-    weight of what came before at each tensor (``recent=True``, a class's: a class whose ratio
-    drifts through the save, as a trained model's layers may, is followed within a few tensors)."""
-
-    recent: bool = False
-    raw: int = 0
-    stored: int = 0
-    value: float | None = None
-
-    def add(self, raw: int, stored: int) -> None:
-        self.raw += raw
-        self.stored += stored
-        if raw:
-            seen = stored / raw
-            self.value = seen if self.value is None else (self.value + seen) / 2
-
-    def get(self) -> float | None:
-        if self.recent:
-            return self.value
-        return self.stored / self.raw if self.raw else None
-
-
-@dataclass
 class SpillReservation:
     """One ``fence`` save's reservation; :meth:`group_resolved` after each group is resolved."""
 
     pool: PinnedPool
     ahead_bytes: int = RESERVE_AHEAD_BYTES
-    _classes: dict[tuple[str, torch.dtype], _Ratio] = field(default_factory=dict)
-    _whole: _Ratio = field(default_factory=_Ratio)
+    _classes: dict[tuple[str, torch.dtype], float] = field(default_factory=dict)
+    """Stored/raw per class, each tensor's weighing as much as everything before it: a class whose
+    ratio drifts through the save (as a trained model's layers may) is followed within a few tensors."""
+    _seen_raw: int = 0
+    _seen_stored: int = 0
+    """Raw and stored bytes of every tensor resolved so far: the ratio of a class not seen yet."""
     _resolved_raw: int = 0
     """Raw bytes of the groups resolved so far (a position in the save's tensor order)."""
     _asked_raw: int = 0
     """Raw bytes, from the start of the save, whose groups have been asked for (0: none yet)."""
     _asked_ahead: list[tuple[int, int]] = field(default_factory=list)
-    """(raw end position, estimated bytes) of the spilling groups asked for and not yet resolved:
-    the window is topped up when these fall under half of it."""
+    """(raw end position, estimated bytes) of the groups the window has reached and that are not yet
+    resolved (spilling or not): it is topped up when these fall under half of it."""
 
     def estimate(self, tensors: Iterable[SpillTensor]) -> int:
         """Estimated stored bytes of a group not yet encoded (its raw bytes while nothing is known)."""
-        whole = self._whole.get() or 1.0
-        total = 0.0
-        for t in tensors:
-            known = self._classes.get(tensor_class(t.key, t.dtype))
-            total += t.raw_bytes * ((known.get() if known else None) or whole)
+        whole = self._seen_stored / self._seen_raw if self._seen_raw else 1.0
+        total = sum(t.raw_bytes * self._classes.get(tensor_class(t.key, t.dtype), whole) for t in tensors)
         return max(1, math.ceil(total))
 
     def group_resolved(self, stored: list[tuple[SpillTensor, int]], nbytes: int, packed_bytes: int,
@@ -126,9 +103,13 @@ class SpillReservation:
         window asks for a block for it (one block over, at most, per such group)."""
         seen = len(self._classes)
         for t, n in stored:
-            self._classes.setdefault(tensor_class(t.key, t.dtype), _Ratio(recent=True)).add(t.raw_bytes, n)
-            self._whole.add(t.raw_bytes, n)
             self._resolved_raw += t.raw_bytes
+            if t.raw_bytes:
+                self._seen_raw += t.raw_bytes
+                self._seen_stored += n
+                cls, ratio = tensor_class(t.key, t.dtype), n / t.raw_bytes
+                before = self._classes.get(cls)
+                self._classes[cls] = ratio if before is None else (before + ratio) / 2
         self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
         new_class = len(self._classes) > seen  # the window ahead was estimated without it: re-estimate now
         if self._asked_raw and not new_class and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
