@@ -9,16 +9,18 @@ thread** (``asyncckpt-compress``) at once. It cuts the state into groups of abou
    asks for planes, then **one** nvCOMP batched encode over every chunk of every tensor of the
    group (tensors over the chunk size are cut into chunks);
 2. *resolve*: read the compressed sizes (the host waits here), keep per tensor the smallest
-   candidate (``codec="auto"`` probes), pack the kept chunks back to back with one
-   ``_foreach_copy_``, and hand the group to the worker through the snapshot's
-   :class:`~asyncckpt._gpu.snapshot.BlobChannel`.
+   candidate (``codec="auto"`` probes), pack the kept chunks back to back with one copy kernel
+   (:func:`~asyncckpt._gpu.kernels.copy_ranges`) and checksum them, and hand the group to the
+   worker through the snapshot's :class:`~asyncckpt._gpu.snapshot.BlobChannel`.
 
 Group sizes come from the snapshot's :class:`~asyncckpt._gpu.budget.StagingPlan`, so the
 compressor's GPU memory stays within the save's budget. In ``fence`` mode two groups are in
 flight; the fence gate opens (with an event the next optimizer step waits on, on the GPU) once
 every group is resolved; compressed groups beyond the plan's GPU allowance go to
-pinned host memory (:meth:`GpuEncoder._compress_fenced`). Other modes resolve group by group,
-bounded by the channel's window.
+pinned host memory (:meth:`GpuEncoder._compress_fenced`). There a group is packed on a stream of
+its own, behind its own encodes only, and copied to the host on a third, so the copy engine is
+kept busy while the compressor thread waits for the next group's sizes. Other modes resolve
+group by group on the compressor stream, bounded by the channel's window.
 
 The worker thread (:func:`asyncckpt._persist.write_part`) takes the blobs in tensor order from
 :meth:`GpuEncoder.encode_snapshot`, checksums and writes them while the next group compresses.
@@ -91,8 +93,65 @@ delta forms, each with its own temporaries, within the scratch the plan counted 
 
 _STOP = object()
 
-_Outgoing = tuple[Group, int, "torch.cuda.Event | None", "torch.Tensor | None"]
-"""A resolved group on its way to the channel: (blobs, bytes, event its host copy waits for, buffer kept alive)."""
+
+@dataclass
+class _Packed:
+    """A resolved group whose packing and checksums were queued on a stream, maybe not yet run.
+
+    ``blobs`` are views of ``buffer`` without their CRC-32s until :meth:`finished`."""
+
+    blobs: Group
+    nbytes: int
+    buffer: torch.Tensor
+    done: torch.cuda.Event
+    """Recorded on the packing stream after the pack and the checksums."""
+    checksums: native.Crc32Batch | None
+    """The CRC-32 of each packed blob, in the order of ``packed_indices``."""
+    packed_indices: list[int]
+    """Snapshot indices of the blobs in ``buffer`` (the group's raw blobs are not)."""
+    keep_alive: list[torch.Tensor]
+    """The pack's copy table, read by the kernel until ``done``."""
+
+    def finished(self) -> Group:
+        """The blobs with their CRC-32s; waits for ``done``."""
+        self.done.synchronize()
+        crc32s = dict(zip(self.packed_indices, _crc32_values(self.checksums, len(self.packed_indices)), strict=True))
+        return [(index, blob if crc32s.get(index) is None else dataclasses.replace(blob, crc32=f"{crc32s[index]:08x}"))
+                for index, blob in self.blobs]  # fmt: skip
+
+
+@dataclass
+class _Outgoing:
+    """A fenced save's group on its way to the channel, once ``ready`` has passed on the GPU."""
+
+    nbytes: int
+    ready: torch.cuda.Event | None
+    """Its pack, or its copy to pinned host memory; None: nothing left to wait for."""
+    packed: _Packed | None = None
+    blobs: Group = field(default_factory=list)
+    """The blobs when there is no ``packed`` (a raw copy)."""
+    host: torch.Tensor | None = None
+    """The pinned bytes ``packed.buffer`` was copied to: the blobs are handed over as views of them."""
+    copying: bool = False
+    """``ready`` is a copy to pinned host memory (PCIe time), not a pack of a moment."""
+
+    def group(self) -> Group:
+        """The blobs the writer gets; waits for ``ready``."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.packed is None:
+            return self.blobs
+        blobs = self.packed.finished()
+        if self.host is None:
+            return blobs
+        moved, within = [], set(self.packed.packed_indices)
+        base = self.packed.buffer.data_ptr()
+        for index, blob in blobs:
+            if index in within:
+                start = blob.data.data_ptr() - base
+                blob = dataclasses.replace(blob, data=self.host[start : start + blob.stored_bytes])
+            moved.append((index, blob))
+        return moved
 
 
 @dataclass
@@ -152,6 +211,8 @@ class _Work:
     sources: list[torch.Tensor] = field(default_factory=list)
     """Each item's bytes on the device (what a delta save records as the next reference)."""
     session: DeltaSave | None = None
+    encoded: torch.cuda.Event | None = None
+    """Recorded on the compressor stream after the group's last encode (what a pack on another stream waits for)."""
 
 
 class GpuEncoder:
@@ -183,6 +244,8 @@ class GpuEncoder:
         """Incremental saves' writer (set by the backend when ``delta`` is on); None: full saves only."""
         self._copy_stream: torch.cuda.Stream | None = None
         """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
+        self._pack_stream: torch.cuda.Stream | None = None
+        """A fence save's packing and checksums, each group behind its own encodes; made on first use."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="asyncckpt-compress", daemon=True)
         self._thread.start()
@@ -295,8 +358,9 @@ class GpuEncoder:
                 gate.fail()  # a no-op once opened; otherwise training must not wait on it
             try:
                 self.stream.synchronize()  # nothing may still read the snapshot once `finished` is set
-                if self._copy_stream is not None:
-                    self._copy_stream.synchronize()
+                for stream in (self._pack_stream, self._copy_stream):
+                    if stream is not None:
+                        stream.synchronize()
             finally:
                 stats.wall_seconds = time.perf_counter() - began
                 self.history.append(stats)  # before close(): the save may commit as soon as the channel ends
@@ -325,6 +389,9 @@ class GpuEncoder:
         outgoing: deque[_Outgoing] = deque()
         retrying = False  # after running short, no auto probe: every candidate's output at once is what did not fit
         reservation = SpillReservation(snapshot.pool)  # pinned blocks for what will spill, ahead of it
+        if self._pack_stream is None:
+            self._pack_stream = torch.cuda.Stream(device=self.device)
+        raw_copied: torch.cuda.Event | None = None  # the last raw copy of a live tensor, which the gate waits for
         while (todo or encoding) and not channel.cancelled:
             try:
                 # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
@@ -333,7 +400,7 @@ class GpuEncoder:
                     encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
                 resolved = encoding[0][0]
-                blobs, nbytes, packed = self._resolve(encoding[0][1], stats)
+                packed = self._pack(encoding[0][1], stats, self._pack_stream)
                 encoding.popleft()
             except torch.cuda.OutOfMemoryError:
                 # Training took the memory the plan counted on. The gate is still closed, so the
@@ -352,6 +419,7 @@ class GpuEncoder:
                 else:
                     todo = deque(retry[1:])
                     outgoing.append(self._store_raw(snapshot, retry[0], stats))
+                    raw_copied = outgoing[-1].ready or raw_copied
                     reservation.skipped(_group_raw(retry[0]))
                     continue
                 note = f"GPU memory ran short while compressing: groups of {group_bytes} bytes or single tensors"
@@ -359,21 +427,22 @@ class GpuEncoder:
                 log.warning("asyncckpt: %s", note)
                 continue
             upcoming = (_spill_tensors(g) for g in itertools.chain((g for g, _work in encoding), todo))
-            reservation.group_resolved(_stored_per_tensor(resolved, blobs), nbytes, packed.numel(), upcoming,
-                                       resident_left)  # fmt: skip
-            if nbytes <= resident_left:
-                resident_left -= nbytes
-                outgoing.append((blobs, nbytes, None, None))
+            reservation.group_resolved(_stored_per_tensor(resolved, packed.blobs), packed.nbytes,
+                                       packed.buffer.numel(), upcoming, resident_left)  # fmt: skip
+            if packed.nbytes <= resident_left:
+                resident_left -= packed.nbytes
+                outgoing.append(_Outgoing(packed.nbytes, packed.done, packed))
             else:
-                outgoing.append(self._spill(snapshot, blobs, nbytes, packed, stats))
-            # Hand over in order; a spilled group once its copy to the host has landed, keeping
-            # one copy in flight behind the next group's encode.
-            while outgoing and (outgoing[0][2] is None or len(outgoing) > 1):
+                outgoing.append(self._spill(snapshot, packed, stats))
+            # Hand over in order: a group that stays on the GPU at once (its pack runs behind
+            # encodes already done), a copy to the host once it has landed, keeping one copy
+            # in flight behind the next group's encode.
+            while outgoing and (len(outgoing) > 1 or not outgoing[0].copying):
                 if not self._hand_over(channel, outgoing.popleft()):
                     return
         # Every read of the live tensors is queued (and resolved): the next optimizer step may
         # run once `done` has passed on the GPU.
-        self._open_gate(gate, stats, began)
+        self._open_gate(gate, stats, began, raw_copied)
         gate.mark_staged()
         while outgoing:
             if not self._hand_over(channel, outgoing.popleft()):
@@ -423,10 +492,7 @@ class GpuEncoder:
 
     @staticmethod
     def _hand_over(channel: BlobChannel, item: _Outgoing) -> bool:
-        group, size, copied, _keep_alive = item
-        if copied is not None:
-            copied.synchronize()
-        return channel.put(group, size)
+        return channel.put(item.group(), item.nbytes)
 
     def _store_raw(self, snapshot: GpuSnapshot, group: list[tuple[int, StagedTensor]],
                    stats: CompressStats) -> _Outgoing:  # fmt: skip
@@ -435,7 +501,7 @@ class GpuEncoder:
         ((index, staged),) = group
         n = staged.data.numel()
         if not staged.data.is_cuda:  # a host-staged copy is final already
-            return [_raw_blob(index, staged.data, stats)], n, None, None
+            return _Outgoing(n, None, blobs=[_raw_blob(index, staged.data, stats)])
         block = snapshot.pool.acquire(n)
         if block is None:
             raise CheckpointError(
@@ -454,26 +520,28 @@ class GpuEncoder:
         stats.notes.append(note)
         log.warning("asyncckpt: %s", note)
         stats.spilled_bytes += n
-        return [_raw_blob(index, host, stats)], n, copied, None
+        return _Outgoing(n, copied, copying=True, blobs=[_raw_blob(index, host, stats)])
 
-    def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float) -> None:
-        """Open the gate behind every read of the live tensors: the encodes on this stream and raw
-        copies on the copy stream (:meth:`_store_raw`); mark it staged once they have run."""
-        if self._copy_stream is not None:
-            self.stream.wait_stream(self._copy_stream)
+    def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float,
+                   raw_copied: torch.cuda.Event | None = None) -> None:  # fmt: skip
+        """Open the gate behind every read of the live tensors: the encodes on this stream and the
+        raw copies on the copy stream (:meth:`_store_raw`, the last of which is ``raw_copied``),
+        not the copies of compressed groups; mark it staged once they have run."""
+        if raw_copied is not None:
+            self.stream.wait_event(raw_copied)
         done = torch.cuda.Event()
         done.record(self.stream)
         gate.open(done)
         stats.gate_seconds = time.perf_counter() - began
         done.synchronize()
 
-    def _spill(self, snapshot: GpuSnapshot, blobs: Group, nbytes: int, packed: torch.Tensor,
-               stats: CompressStats) -> _Outgoing:  # fmt: skip
-        """Copy a resolved group's packed bytes to a pinned block; its blobs then point there.
+    def _spill(self, snapshot: GpuSnapshot, packed: _Packed, stats: CompressStats) -> _Outgoing:
+        """Copy a resolved group's packed bytes to a pinned block, on the stream that packs them;
+        its blobs are handed over as views of the block.
 
         When the host staging budget is spent, the group stays on the GPU and the channel gets a
         window: the rest of this save is paced by the writer (logged; the fence holds longer)."""
-        block = snapshot.pool.acquire(packed.numel())
+        block = snapshot.pool.acquire(packed.buffer.numel())
         if block is None:
             if snapshot.channel.window_bytes is None:
                 snapshot.channel.window_bytes = DEFAULT_WINDOW_BYTES
@@ -483,23 +551,18 @@ class GpuEncoder:
                 )
                 stats.notes.append(note)
                 log.warning("asyncckpt: %s", note)
-            return blobs, nbytes, None, None
+            return _Outgoing(packed.nbytes, packed.done, packed)
         snapshot.pinned.append(block)
-        host = block.data[: packed.numel()]
+        host = block.data[: packed.buffer.numel()]
         copy_stream = self._copy_stream_for()
+        copy_stream.wait_event(packed.done)
         with torch.cuda.stream(copy_stream):
-            host.copy_(packed, non_blocking=True)  # packed is complete: _resolve synchronised its stream
+            host.copy_(packed.buffer, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(copy_stream)
-        base, end = packed.data_ptr(), packed.data_ptr() + packed.numel()
-        moved: Group = []
-        for index, blob in blobs:
-            start = blob.data.data_ptr()
-            if blob.data.is_cuda and base <= start < end:
-                blob = dataclasses.replace(blob, data=host[start - base : start - base + blob.stored_bytes])
-            moved.append((index, blob))
-        stats.spilled_bytes += nbytes
-        return moved, nbytes, copied, packed  # packed stays alive until the copy has landed
+        stats.spilled_bytes += packed.nbytes
+        # The GPU buffer is kept (in `packed`) until the host has seen the copy land.
+        return _Outgoing(packed.nbytes, copied, packed, host=host, copying=True)
 
     def _copy_stream_for(self) -> torch.cuda.Stream:
         if self._copy_stream is None:
@@ -587,6 +650,8 @@ class GpuEncoder:
             )
             pending = batch.encode(spec, span, chunk_offsets, raw_sizes, self.stream, chunk, keep)
             work.pendings.append((positions, ranges, pending, op))
+        work.encoded = torch.cuda.Event()
+        work.encoded.record(self.stream)
         return work
 
     def _on_device(self, work: _Work) -> list[torch.Tensor]:
@@ -606,6 +671,17 @@ class GpuEncoder:
     def _resolve(self, work: _Work, stats: CompressStats) -> tuple[Group, int, torch.Tensor]:
         """Wait for a group's encodes, keep the smallest output per tensor, pack it: (blobs, packed
         bytes, the packed buffer the compressed blobs are views of). The stream is current."""
+        packed = self._pack(work, stats, self.stream)
+        return packed.finished(), packed.nbytes, packed.buffer
+
+    def _pack(self, work: _Work, stats: CompressStats, stream: torch.cuda.Stream) -> _Packed:
+        """Wait for a group's compressed sizes, keep the smallest output per tensor, and queue its
+        packing and checksums on ``stream`` (no wait for them). The compressor stream is current.
+
+        On another stream (a fence's pack stream) the pack waits only for this group's encodes, not
+        for the next group's queued behind them, and the compressor stream waits for the pack to
+        have read the encoders' outputs before reusing their memory; a copy to pinned memory then
+        waits on the GPU for ``done``, so the copy engine never waits for the compressor thread."""
         options: list[list[_Option]] = [[] for _ in work.items]
         for positions, ranges, pending, op in work.pendings:
             sizes = pending.sizes()
@@ -633,19 +709,26 @@ class GpuEncoder:
         for option in chosen:
             starts.append(position)
             position += align_up(option.stored, PACK_ALIGN_BYTES)
-        packed = torch.empty(max(position, 1), dtype=torch.uint8, device=self.device)
+        if stream is not self.stream:
+            if work.encoded is not None:
+                stream.wait_event(work.encoded)
+            else:  # a work item built elsewhere: behind everything queued so far
+                stream.wait_stream(self.stream)
+        with torch.cuda.stream(stream):  # from the packing stream's pool: its kernels alone use this buffer
+            packed = torch.empty(max(position, 1), dtype=torch.uint8, device=self.device)
         spans = [(start, start + option.stored) for start, option in zip(starts, chosen, strict=True)]
         from_addresses, to_addresses, lengths = _copy_table(chosen, starts, packed.data_ptr())
-        table_on_device = kernels.copy_ranges(from_addresses, to_addresses, lengths, self.device, self.stream)
-        checksums = _enqueue_crc32(packed, starts, [o.stored for o in chosen], self.stream)
-        packed_done = torch.cuda.Event()
-        packed_done.record(self.stream)
-        packed_done.synchronize()  # KvikIO and the checksum read the packed bytes from other streams
-        del table_on_device
-        crc32s = _crc32_values(checksums, len(chosen))  # done: no further wait
+        table_on_device = kernels.copy_ranges(from_addresses, to_addresses, lengths, self.device, stream)
+        if stream is not self.stream:  # the outputs, freed into the compressor stream's pool, are read by then
+            outputs_read = torch.cuda.Event()
+            outputs_read.record(stream)
+            self.stream.wait_event(outputs_read)
+        checksums = _enqueue_crc32(packed, starts, [o.stored for o in chosen], stream)
+        done = torch.cuda.Event()
+        done.record(stream)  # KvikIO and the host copy read the packed bytes from other streams after it
         total = sum(o.stored for o in chosen)
         blobs: Group = []
-        for (index, staged), option, (start, end), crc32 in zip(work.items, chosen, spans, crc32s, strict=True):
+        for (index, staged), option, (start, end) in zip(work.items, chosen, spans, strict=True):
             sizes, lo, hi = option.pending.sizes(), option.first, option.end
             blobs.append(
                 (
@@ -656,7 +739,6 @@ class GpuEncoder:
                         params=option.spec.params(),
                         chunks=list(zip(sizes[lo:hi], option.pending.raw_sizes[lo:hi], strict=True)),
                         delta=option.delta,
-                        crc32=None if crc32 is None else f"{crc32:08x}",
                     ),
                 )
             )
@@ -670,7 +752,8 @@ class GpuEncoder:
             for staged, candidates, best in settled:
                 _settle_delta(work.session, staged, candidates, best)
             _record_references(work.session, work.items, work.sources)
-        return blobs, total, packed
+        packed_indices = [index for index, _staged in work.items]
+        return _Packed(blobs, total, packed, done, checksums, packed_indices, [table_on_device])
 
 
 def _enqueue_crc32(packed: torch.Tensor, starts: list[int], sizes: list[int],
