@@ -17,10 +17,11 @@ Group sizes come from the snapshot's :class:`~asyncckpt._gpu.budget.StagingPlan`
 compressor's GPU memory stays within the save's budget. In ``fence`` mode two groups are in
 flight; the fence gate opens (with an event the next optimizer step waits on, on the GPU) once
 every group is resolved; compressed groups beyond the plan's GPU allowance go to
-pinned host memory (:meth:`GpuEncoder._compress_fenced`). There a group is packed on a stream of
-its own, behind its own encodes only, and copied to the host on a third, so the copy engine is
-kept busy while the compressor thread waits for the next group's sizes. Other modes resolve
-group by group on the compressor stream, bounded by the channel's window.
+pinned host memory (:meth:`GpuEncoder._compress_fenced`). Groups are packed on a stream of their
+own, each behind its own encodes only (not the next group's, queued behind them), and a fence
+copies them to the host on a third, which waits for the pack on the GPU: the copy engine is kept
+busy while the compressor thread waits for the next group's sizes. Other modes resolve group by
+group, bounded by the channel's window.
 
 The worker thread (:func:`asyncckpt._persist.write_part`) takes the blobs in tensor order from
 :meth:`GpuEncoder.encode_snapshot`, checksums and writes them while the next group compresses.
@@ -96,9 +97,10 @@ _STOP = object()
 
 @dataclass
 class _Packed:
-    """A resolved group whose packing and checksums were queued on a stream, maybe not yet run.
+    """A resolved group whose packing and checksums were queued on the pack stream, maybe not yet run.
 
-    ``blobs`` are views of ``buffer`` without their CRC-32s until :meth:`finished`."""
+    The blobs of ``packed_indices`` are views of ``buffer``, without their CRC-32s until
+    :meth:`finished`; the others are the group's raw blobs (their own bytes)."""
 
     blobs: Group
     nbytes: int
@@ -244,8 +246,8 @@ class GpuEncoder:
         """Incremental saves' writer (set by the backend when ``delta`` is on); None: full saves only."""
         self._copy_stream: torch.cuda.Stream | None = None
         """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
-        self._pack_stream: torch.cuda.Stream | None = None
-        """A fence save's packing and checksums, each group behind its own encodes; made on first use."""
+        self._pack_stream = torch.cuda.Stream(device=device)
+        """Packing and checksums, each group behind its own encodes; packed buffers come from its pool alone."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="asyncckpt-compress", daemon=True)
         self._thread.start()
@@ -358,9 +360,9 @@ class GpuEncoder:
                 gate.fail()  # a no-op once opened; otherwise training must not wait on it
             try:
                 self.stream.synchronize()  # nothing may still read the snapshot once `finished` is set
-                for stream in (self._pack_stream, self._copy_stream):
-                    if stream is not None:
-                        stream.synchronize()
+                self._pack_stream.synchronize()
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()
             finally:
                 stats.wall_seconds = time.perf_counter() - began
                 self.history.append(stats)  # before close(): the save may commit as soon as the channel ends
@@ -389,8 +391,6 @@ class GpuEncoder:
         outgoing: deque[_Outgoing] = deque()
         retrying = False  # after running short, no auto probe: every candidate's output at once is what did not fit
         reservation = SpillReservation(snapshot.pool)  # pinned blocks for what will spill, ahead of it
-        if self._pack_stream is None:
-            self._pack_stream = torch.cuda.Stream(device=self.device)
         raw_copied: torch.cuda.Event | None = None  # the last raw copy of a live tensor, which the gate waits for
         while (todo or encoding) and not channel.cancelled:
             try:
@@ -400,7 +400,7 @@ class GpuEncoder:
                     encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
                 resolved = encoding[0][0]
-                packed = self._pack(encoding[0][1], stats, self._pack_stream)
+                packed = self._pack(encoding[0][1], stats)
                 encoding.popleft()
             except torch.cuda.OutOfMemoryError:
                 # Training took the memory the plan counted on. The gate is still closed, so the
@@ -525,8 +525,10 @@ class GpuEncoder:
     def _open_gate(self, gate: FenceGate, stats: CompressStats, began: float,
                    raw_copied: torch.cuda.Event | None = None) -> None:  # fmt: skip
         """Open the gate behind every read of the live tensors: the encodes on this stream and the
-        raw copies on the copy stream (:meth:`_store_raw`, the last of which is ``raw_copied``),
-        not the copies of compressed groups; mark it staged once they have run."""
+        raw copies on the copy stream (:meth:`_store_raw`, the last of which is ``raw_copied``; the
+        copy stream runs in order, so compressed groups' copies queued before it are waited for
+        too, and the packs this stream waits for before reusing their inputs); mark it staged once
+        they have run."""
         if raw_copied is not None:
             self.stream.wait_event(raw_copied)
         done = torch.cuda.Event()
@@ -536,8 +538,8 @@ class GpuEncoder:
         done.synchronize()
 
     def _spill(self, snapshot: GpuSnapshot, packed: _Packed, stats: CompressStats) -> _Outgoing:
-        """Copy a resolved group's packed bytes to a pinned block, on the stream that packs them;
-        its blobs are handed over as views of the block.
+        """Copy a resolved group's packed bytes to a pinned block, on the copy stream behind its pack
+        on the GPU; its blobs are handed over as views of the block.
 
         When the host staging budget is spent, the group stays on the GPU and the channel gets a
         window: the rest of this save is paced by the writer (logged; the fence holds longer)."""
@@ -671,17 +673,17 @@ class GpuEncoder:
     def _resolve(self, work: _Work, stats: CompressStats) -> tuple[Group, int, torch.Tensor]:
         """Wait for a group's encodes, keep the smallest output per tensor, pack it: (blobs, packed
         bytes, the packed buffer the compressed blobs are views of). The stream is current."""
-        packed = self._pack(work, stats, self.stream)
+        packed = self._pack(work, stats)
         return packed.finished(), packed.nbytes, packed.buffer
 
-    def _pack(self, work: _Work, stats: CompressStats, stream: torch.cuda.Stream) -> _Packed:
+    def _pack(self, work: _Work, stats: CompressStats) -> _Packed:
         """Wait for a group's compressed sizes, keep the smallest output per tensor, and queue its
-        packing and checksums on ``stream`` (no wait for them). The compressor stream is current.
+        packing and checksums on the pack stream (no wait for them). The compressor stream is current.
 
-        On another stream (a fence's pack stream) the pack waits only for this group's encodes, not
-        for the next group's queued behind them, and the compressor stream waits for the pack to
-        have read the encoders' outputs before reusing their memory; a copy to pinned memory then
-        waits on the GPU for ``done``, so the copy engine never waits for the compressor thread."""
+        The pack waits only for this group's encodes, not for the next group's queued behind them,
+        and the compressor stream waits for the pack to have read the encoders' outputs before it
+        reuses their memory; a fence's copy to pinned memory waits on the GPU for ``done``, so the
+        copy engine never waits for the compressor thread."""
         options: list[list[_Option]] = [[] for _ in work.items]
         for positions, ranges, pending, op in work.pendings:
             sizes = pending.sizes()
@@ -709,20 +711,18 @@ class GpuEncoder:
         for option in chosen:
             starts.append(position)
             position += align_up(option.stored, PACK_ALIGN_BYTES)
-        if stream is not self.stream:
-            if work.encoded is not None:
-                stream.wait_event(work.encoded)
-            else:  # a work item built elsewhere: behind everything queued so far
-                stream.wait_stream(self.stream)
-        with torch.cuda.stream(stream):  # from the packing stream's pool: its kernels alone use this buffer
+        stream = self._pack_stream
+        if work.encoded is None:
+            raise RuntimeError("a group was packed before its encodes were queued")
+        stream.wait_event(work.encoded)
+        with torch.cuda.stream(stream):  # from the pack stream's pool, which only packed buffers use
             packed = torch.empty(max(position, 1), dtype=torch.uint8, device=self.device)
         spans = [(start, start + option.stored) for start, option in zip(starts, chosen, strict=True)]
         from_addresses, to_addresses, lengths = _copy_table(chosen, starts, packed.data_ptr())
         table_on_device = kernels.copy_ranges(from_addresses, to_addresses, lengths, self.device, stream)
-        if stream is not self.stream:  # the outputs, freed into the compressor stream's pool, are read by then
-            outputs_read = torch.cuda.Event()
-            outputs_read.record(stream)
-            self.stream.wait_event(outputs_read)
+        outputs_read = torch.cuda.Event()  # the outputs, freed into the compressor stream's pool, are read by then
+        outputs_read.record(stream)
+        self.stream.wait_event(outputs_read)
         checksums = _enqueue_crc32(packed, starts, [o.stored for o in chosen], stream)
         done = torch.cuda.Event()
         done.record(stream)  # KvikIO and the host copy read the packed bytes from other streams after it
