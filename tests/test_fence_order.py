@@ -1,19 +1,20 @@
 """The order in which a ``fence`` save hands groups to the writer, searched on the CPU.
 
 ``GpuEncoder._compress_fenced`` drives nvCOMP and three CUDA streams, which need a GPU; here its
-kernels are modelled (as in tests/test_compress_retry.py): a group whose raw bytes exceed the
-modelled memory fails to encode with ``OutOfMemoryError``, a pack or a copy to pinned memory is an
-event that lands when the host waits for it. The loop itself, the retry path, the real pinned pool
-(unpinned here) and its reservation run as they are. Every tensor must reach the writer exactly
-once, in order, each copy only after it landed, with at most one packed group's copy in flight
-(each holds its GPU buffer) whenever the next group is queued, and the gate opened after every
-group was packed.
-The real streams run in tests/gpu/test_gpu_full.py.
+kernels are modelled (as in tests/test_compress_retry.py): an encode fails with ``OutOfMemoryError``
+when the raw bytes of the groups in flight (queued, neither packed nor dropped) would exceed the
+modelled memory, and a pack or a copy to pinned memory is an event that lands when the host waits
+for it. The loop itself, its retry path, and the real pinned pool (unpinned here) and reservation
+run as they are. Every tensor must reach the writer exactly once and in order, each copy only after
+it landed; a tensor is stored raw only if it does not fit alone; at most one packed group's copy is
+in flight (each holds its GPU buffer) whenever the next group is queued; and the gate opens after
+every group was packed. The real streams run in tests/gpu/test_gpu_full.py.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -52,6 +53,9 @@ class ModelledFence:
 
     memory: int
     log: list[str] = field(default_factory=list)
+    in_flight: weakref.WeakSet[ModelWork] = field(default_factory=weakref.WeakSet)
+    """Groups queued and neither packed nor dropped by the loop (their scratch is held)."""
+    stored_raw: list[int] = field(default_factory=list)
     packed_copies_in_flight: int = 0
     """Copies of packed groups not yet waited for: each holds its GPU buffer until then."""
     most_in_flight_at_enqueue: int = 0
@@ -59,14 +63,17 @@ class ModelledFence:
     _plan = GpuEncoder._plan
     _hand_over = staticmethod(GpuEncoder._hand_over)
 
-    def _enqueue(self, group: list[tuple[int, StagedTensor]], session: Any = None, probe: bool = True) -> Any:
+    def _enqueue(self, group: list[tuple[int, StagedTensor]], session: Any = None, probe: bool = True) -> ModelWork:
         self.most_in_flight_at_enqueue = max(self.most_in_flight_at_enqueue, self.packed_copies_in_flight)
-        if sum(t.data.numel() for _, t in group) > self.memory:
+        work = ModelWork(group)
+        if work.nbytes + sum(w.nbytes for w in self.in_flight) > self.memory:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (modelled)")
-        return group
+        self.in_flight.add(work)
+        return work
 
-    def _pack(self, group: list[tuple[int, StagedTensor]], stats: CompressStats) -> _Packed:
-        nbytes = sum(t.data.numel() for _, t in group)  # "compressed" to its raw size
+    def _pack(self, work: ModelWork, stats: CompressStats) -> _Packed:
+        self.in_flight.discard(work)
+        group, nbytes = work.group, work.nbytes  # "compressed" to its raw size
         buffer = torch.zeros(max(1, nbytes), dtype=torch.uint8)
         blobs, position = [], 0
         for index, t in group:
@@ -84,6 +91,7 @@ class ModelledFence:
 
     def _store_raw(self, snapshot: Any, group: list[tuple[int, StagedTensor]], stats: CompressStats) -> _Outgoing:
         ((index, t),) = group
+        self.stored_raw.append(t.data.numel())
         copied = self._copy(f"copy {index}", holds_gpu_memory=False)  # reads the live tensor: no scratch
         blob = EncodedBlob(data=t.data, codec="none", chunks=[(t.data.numel(), t.data.numel())])
         return _Outgoing(t.data.numel(), copied, blobs=[(index, blob)], copying=True)  # type: ignore[arg-type]
@@ -101,6 +109,12 @@ class ModelledFence:
             self.packed_copies_in_flight -= 1
 
         return ModelEvent(name, self.log, landed)
+
+
+class ModelWork:
+    def __init__(self, group: list[tuple[int, StagedTensor]]) -> None:
+        self.group = group
+        self.nbytes = sum(t.data.numel() for _, t in group)
 
 
 class Channel:
@@ -142,6 +156,7 @@ def test_a_fence_hands_every_tensor_over_once_in_order_after_its_copy_landed(
     pool.close()
 
     assert channel.indices == list(range(len(sizes))), "every tensor once, in order"
+    assert all(n > memory for n in fence.stored_raw), ("stored raw though it fits alone", fence.stored_raw, memory)
     assert fence.most_in_flight_at_enqueue <= 1, "at most one packed group's copy in flight when the next is queued"
     log = fence.log
     gate_at = log.index("gate")

@@ -393,19 +393,22 @@ class GpuEncoder:
         reservation = SpillReservation(snapshot.pool)  # pinned blocks for what will spill, ahead of it
         raw_copied: torch.cuda.Event | None = None  # the last raw copy of a live tensor, which the gate waits for
         while (todo or encoding) and not channel.cancelled:
+            enqueuing = True  # an OOM in _enqueue has one more group in flight than `encoding` holds
             try:
                 # At most GROUPS_IN_FLIGHT groups' bytes in flight, and always one: a tensor larger
                 # than a group is encoded alone, which is what the plan's scratch allows for.
                 while todo and (not encoding or _raw_bytes(encoding) + _group_raw(todo[0]) <= in_flight_bytes):
                     encoding.append((todo[0], self._enqueue(todo[0], session, probe=not retrying)))
                     todo.popleft()
+                enqueuing = False
                 resolved = encoding[0][0]
                 packed = self._pack(encoding[0][1], stats)
                 encoding.popleft()
             except torch.cuda.OutOfMemoryError:
                 # Training took the memory the plan counted on. The gate is still closed, so the
-                # live tensors may be read again: retry the rest in smaller groups, and a tensor
-                # that does not fit alone goes raw to pinned memory.
+                # live tensors may be read again: retry the rest in smaller groups, then one group
+                # at a time, and a tensor that does not fit alone goes raw to pinned memory.
+                crowded = len(encoding) + enqueuing > 1
                 retry = [g for g, _work in encoding] + list(todo)
                 encoding.clear()
                 retrying = True
@@ -416,6 +419,10 @@ class GpuEncoder:
                     todo = deque(self._plan([t for _i, t in flat], group_bytes, [i for i, _t in flat]))
                 elif len(retry[0]) > 1:
                     todo = deque([[pair] for pair in retry[0]] + retry[1:])
+                elif crowded and in_flight_bytes:
+                    # Another group was in flight beside it: the first may fit alone.
+                    in_flight_bytes = 0  # one group at a time from here
+                    todo = deque(retry)
                 else:
                     todo = deque(retry[1:])
                     outgoing.append(self._store_raw(snapshot, retry[0], stats))
