@@ -239,6 +239,35 @@ def test_a_reservation_whose_thread_cannot_start_leaves_the_pool_working(monkeyp
     pool.close()
 
 
+class FailingPool(CountingPool):
+    """A real pool whose next ``failures`` allocations raise, as a failed cudaHostRegister would."""
+
+    failures = 0
+
+    def _allocate(self, size: int) -> PinnedBlock:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("cudaHostRegister failed (injected)")
+        return super()._allocate(size)
+
+
+@pytest.mark.parametrize("why", ["budget spent", "pin failed"])
+def test_a_pinning_thread_that_stops_early_leaves_the_pool_working(why: str) -> None:
+    """A pinning thread ends early when the budget is spent or a pin fails; it must stop being
+    counted as a worker, or the next reservation gets no thread and its caller waits forever."""
+    pool = FailingPool(budget_bytes=3 * MiB if why == "budget spent" else GiB)
+    pool.failures = 1 if why == "pin failed" else 0
+    first = pool.reserve([2 * MiB] * 3, threads=1)
+    first.join(10)
+    assert not first.is_alive() and pool._pin_workers == 0 and not pool._pending
+    pool.budget_bytes = GiB
+    second = pool.reserve([MiB] * 2, threads=1)
+    second.join(10)
+    assert not second.is_alive(), "the second reservation waited on a worker that had ended"
+    assert sum(block.nbytes >= MiB for block in pool._free) >= 2 and pool._pin_workers == 0
+    pool.close()
+
+
 def test_a_tensor_stored_raw_moves_the_window_on() -> None:
     """After GPU memory ran short a tensor may be stored raw, outside any group; the reservation's
     position moves past it, so the blocks asked for the groups after it count as ahead and the

@@ -236,13 +236,11 @@ class PinnedPool:
                         self._in_pin.remove(size)
                         if block is not None:
                             self._free.append(block)
-                        else:
-                            self._pending.clear()  # the budget is spent: a waiting acquire goes on at once
+                        else:  # the budget is spent (or the pin failed): this thread ends here
+                            self._pending.clear()  # a waiting acquire goes on at once, the other threads stop
+                            self._pin_workers -= 1
                         self._arrived.notify_all()
-                if block is None:  # the budget is spent; pending was cleared, so the other threads stop too
-                    with self._lock:
-                        self._pin_workers -= 1
-                        self._arrived.notify_all()
+                if block is None:
                     log.info("asyncckpt: pinned staging reservation stopped at the host budget (%d bytes)",
                              self.budget_bytes)  # fmt: skip
                     return
@@ -251,9 +249,6 @@ class PinnedPool:
             try:
                 pin_next()
             except Exception:  # a failed pin ends this thread's share; acquire() pins what is missing itself
-                with self._lock:
-                    self._pin_workers -= 1
-                    self._arrived.notify_all()
                 log.warning("asyncckpt: pinning staging memory ahead failed", exc_info=True)
 
         def run() -> None:
@@ -272,10 +267,7 @@ class PinnedPool:
                     # size asked for has been pinned (or no thread is left to pin it).
                     while (self._pending or self._in_pin) and self._pin_workers:
                         self._arrived.wait()
-                    self._pinning -= 1
-                    if not self._pinning:  # sizes no thread will pin: never leave acquire() waiting for them
-                        self._pending.clear()
-                    self._arrived.notify_all()
+                    self._end_reservation()
 
         thread = threading.Thread(target=run, name="asyncckpt-reserve", daemon=True)
         try:
@@ -285,15 +277,20 @@ class PinnedPool:
             # later reservation without threads, and acquire() waiting for sizes nobody pins.
             with self._lock:
                 self._pin_workers -= spawn
-                self._pinning -= 1
-                if not self._pinning:
-                    self._pending.clear()
-                self._arrived.notify_all()
+                self._end_reservation()
             raise
         with self._lock:
             self._reserving = [t for t in self._reserving if t.is_alive()]
             self._reserving.append(thread)
         return thread
+
+    def _end_reservation(self) -> None:
+        """One reservation less; with none left, sizes no thread will pin are dropped, so acquire()
+        is never left waiting for them. Under the lock."""
+        self._pinning -= 1
+        if not self._pinning:
+            self._pending.clear()
+        self._arrived.notify_all()
 
     def cover(self, sizes: Sequence[int], estimated_from: int | None = None) -> threading.Thread | None:
         """Reserve blocks for those of ``sizes`` (in the order they will be asked for) that the free
