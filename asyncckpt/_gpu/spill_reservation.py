@@ -66,14 +66,38 @@ def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
 
 
 @dataclass
+class _ClassRatio:
+    """Stored/raw of one class, weighted to its latest bytes: each tensor halves the weight of what
+    came before in proportion to its size against the class's largest (a tensor of that size halves
+    it), and adds its own bytes. So a class whose ratio drifts through the save (as a trained
+    model's layers may) is followed within a few large tensors, while a small one (a norm's weight,
+    stored raw at 1.0x between two matrices of 0.8x) barely moves it. Weighing every tensor alike,
+    as d838d1d did, had such small tensors pull the next matrix's estimate toward 1.0x: blocks too
+    large, 1.34x the stored bytes pinned on the H200 (docs/benchmarks.md, 2026-12-07)."""
+
+    raw: float = 0.0
+    stored: float = 0.0
+    largest: int = 0
+
+    def add(self, raw_bytes: int, stored_bytes: int) -> None:
+        self.largest = max(self.largest, raw_bytes)
+        keep = 0.5 ** (raw_bytes / self.largest)
+        self.raw = self.raw * keep + raw_bytes
+        self.stored = self.stored * keep + stored_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.stored / self.raw
+
+
+@dataclass
 class SpillReservation:
     """One ``fence`` save's reservation; :meth:`group_resolved` after each group is resolved."""
 
     pool: PinnedPool
     ahead_bytes: int = RESERVE_AHEAD_BYTES
-    _classes: dict[tuple[str, torch.dtype], float] = field(default_factory=dict)
-    """Stored/raw per class, each tensor's weighing as much as everything before it: a class whose
-    ratio drifts through the save (as a trained model's layers may) is followed within a few tensors."""
+    _classes: dict[tuple[str, torch.dtype], _ClassRatio] = field(default_factory=dict)
+    """Stored/raw per class, weighted to its latest bytes (:class:`_ClassRatio`)."""
     _seen_raw: int = 0
     _seen_stored: int = 0
     """Raw and stored bytes of every tensor resolved so far: the ratio of a class not seen yet."""
@@ -88,7 +112,8 @@ class SpillReservation:
     def estimate(self, tensors: Iterable[SpillTensor]) -> int:
         """Estimated stored bytes of a group not yet encoded (its raw bytes while nothing is known)."""
         whole = self._seen_stored / self._seen_raw if self._seen_raw else 1.0
-        total = sum(t.raw_bytes * self._classes.get(tensor_class(t.key, t.dtype), whole) for t in tensors)
+        ratios = {cls: seen.ratio for cls, seen in self._classes.items()}
+        total = sum(t.raw_bytes * ratios.get(tensor_class(t.key, t.dtype), whole) for t in tensors)
         return max(1, math.ceil(total))
 
     def group_resolved(self, stored: list[tuple[SpillTensor, int]], nbytes: int, packed_bytes: int,
@@ -107,9 +132,7 @@ class SpillReservation:
             if t.raw_bytes:
                 self._seen_raw += t.raw_bytes
                 self._seen_stored += n
-                cls, ratio = tensor_class(t.key, t.dtype), n / t.raw_bytes
-                before = self._classes.get(cls)
-                self._classes[cls] = ratio if before is None else (before + ratio) / 2
+                self._classes.setdefault(tensor_class(t.key, t.dtype), _ClassRatio()).add(t.raw_bytes, n)
         self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
         new_class = len(self._classes) > seen  # the window ahead was estimated without it: re-estimate now
         if self._asked_raw and not new_class and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
