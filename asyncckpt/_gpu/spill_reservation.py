@@ -7,7 +7,7 @@ the pool's threads, in the order the compressor will ask for them. A block must 
 *compressed* bytes, which are known only once the group is encoded; before that they are estimated.
 
 The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for its
-class, weighted to the class's latest tensors (a ratio may drift through a trained model's layers).
+class over its latest bytes (a ratio may drift through a trained model's layers).
 A class is the leaf of the tensor's key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...):
 the classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and
 Adam's first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,9 @@ from .pinned_pool import PinnedPool
 
 RESERVE_AHEAD_BYTES = 2 << 30
 """Estimated stored bytes reserved beyond the groups resolved so far (topped up at half)."""
+CLASS_RATIO_BYTES = 256 << 20
+"""How many of a class's latest raw bytes its ratio is taken over: a few large tensors (the drift
+test's 100 MiB ones), the whole class on a small model."""
 
 
 @dataclass(frozen=True)
@@ -67,23 +71,28 @@ def tensor_class(key: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
 
 @dataclass
 class _ClassRatio:
-    """Stored/raw of one class, weighted to its latest bytes: each tensor halves the weight of what
-    came before in proportion to its size against the class's largest (a tensor of that size halves
-    it), and adds its own bytes. So a class whose ratio drifts through the save (as a trained
-    model's layers may) is followed within a few large tensors, while a small one (a norm's weight,
-    stored raw at 1.0x between two matrices of 0.8x) barely moves it. Weighing every tensor alike,
-    as d838d1d did, had such small tensors pull the next matrix's estimate toward 1.0x: blocks too
-    large, 1.34x the stored bytes pinned on the H200 (docs/benchmarks.md, 2026-12-07)."""
+    """Stored/raw of one class over its latest :data:`CLASS_RATIO_BYTES` raw bytes (and at least its
+    latest tensor): a class whose ratio drifts through the save (as a trained model's layers may)
+    is followed once that many bytes of it have passed, and neither a small tensor (a norm's
+    weight, stored raw at 1.0x between two matrices of 0.8x) nor one large one (an embedding in
+    the ``weight`` class) outweighs the bytes around it for longer than that. Weighing every tensor
+    alike, as d838d1d did, had each small one pull the next matrix's estimate halfway to 1.0x:
+    blocks pinned too large (1.11x the blocks needed in ``tests/test_spill_reservation.py``; the
+    likely cause of the 1.34x pinned for the stored bytes on the H200, docs/benchmarks.md)."""
 
-    raw: float = 0.0
-    stored: float = 0.0
-    largest: int = 0
+    latest: deque[tuple[int, int]] = field(default_factory=deque)
+    """(raw, stored) bytes of the class's latest tensors, oldest first."""
+    raw: int = 0
+    stored: int = 0
 
     def add(self, raw_bytes: int, stored_bytes: int) -> None:
-        self.largest = max(self.largest, raw_bytes)
-        keep = 0.5 ** (raw_bytes / self.largest)
-        self.raw = self.raw * keep + raw_bytes
-        self.stored = self.stored * keep + stored_bytes
+        self.latest.append((raw_bytes, stored_bytes))
+        self.raw += raw_bytes
+        self.stored += stored_bytes
+        while self.raw - self.latest[0][0] >= CLASS_RATIO_BYTES:
+            raw, stored = self.latest.popleft()
+            self.raw -= raw
+            self.stored -= stored
 
     @property
     def ratio(self) -> float:
