@@ -319,21 +319,24 @@ def test_a_save_that_stays_on_the_gpu_walks_its_window_once_per_half_window() ->
     pool.close()
 
 
+@pytest.mark.parametrize(("tensor_mib", "tensors"), [(100, 300), (16, 1152)])
 @pytest.mark.parametrize("embedding_mib", [0, 2048])
 @pytest.mark.parametrize(("before", "after"), [(0.8, 0.88), (0.5, 0.9), (0.9, 0.5), (0.6, 1.0)])
 def test_a_class_whose_ratio_drifts_costs_at_most_a_window_and_no_pin_on_the_compressor(
-    before: float, after: float, embedding_mib: int
+    before: float, after: float, embedding_mib: int, tensor_mib: int, tensors: int
 ) -> None:
-    """30 GB of one class whose ratio steps after a third of the save (layers trained differently):
+    """18-30 GB of one class whose ratio steps after a third of the save (layers trained differently):
     groups then come out over their blocks' headroom. Each one's block is pinned at once, ahead of
     the queue, on the pool's threads (the compressor pinned them itself, 12-71 blocks, when only a
     window top-up asked for them), the estimates follow within a few groups, and what the blocks
     asked at the old ratio waste stays within the window. Also with one 2 GiB tensor of the class
     first (an embedding): a ratio weighted by each tensor's size against the class's largest
-    followed the step 3-6x slower (5.6-7.6 GiB wasted, review of 8054ef2)."""
+    followed the step 3-6x slower (5.6-7.6 GiB wasted, review of 8054ef2). And with 16 MiB tensors
+    (18 GiB): a ratio over the class's latest 256 MiB followed them 16 tensors late (3.8 GiB)."""
+    size = tensor_mib * MiB
     groups = [
-        [(SpillTensor(f"model/l{i}.weight", torch.float32, 100 * MiB), int(100 * MiB * (before if i < 100 else after)))]
-        for i in range(300)
+        [(SpillTensor(f"model/l{i}.weight", torch.float32, size), int(size * (before if i < tensors // 3 else after)))]
+        for i in range(tensors)
     ]
     if embedding_mib:
         embedding = SpillTensor("model/embed.weight", torch.float32, embedding_mib * MiB)

@@ -46,9 +46,12 @@ from .pinned_pool import PinnedPool
 
 RESERVE_AHEAD_BYTES = 2 << 30
 """Estimated stored bytes reserved beyond the groups resolved so far (topped up at half)."""
-CLASS_RATIO_BYTES = 256 << 20
-"""How many of a class's latest raw bytes its ratio is taken over: a few large tensors (the drift
-test's 100 MiB ones), the whole class on a small model."""
+CLASS_RATIO_BYTES = 32 << 20
+"""How many of a class's latest raw bytes its ratio is taken over (and at least its latest tensor).
+Small against a large model's tensors, so a drifting ratio is followed within a tensor or two:
+with 256 MiB, a class of 16-64 MiB tensors stepping from 0.5x to 0.9x wasted up to 3.8 GiB of pinned
+blocks, 1.3 GiB over the window's bound (tests/test_spill_reservation.py's drift test). Large
+against what one small tensor weighs, so a norm's weight between two matrices barely moves it."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class SpillReservation:
     pool: PinnedPool
     ahead_bytes: int = RESERVE_AHEAD_BYTES
     _classes: dict[tuple[str, torch.dtype], _ClassRatio] = field(default_factory=dict)
-    """Stored/raw per class, weighted to its latest bytes (:class:`_ClassRatio`)."""
+    """Stored/raw per class over its latest bytes (:class:`_ClassRatio`)."""
     _seen_raw: int = 0
     _seen_stored: int = 0
     """Raw and stored bytes of every tensor resolved so far: the ratio of a class not seen yet."""
