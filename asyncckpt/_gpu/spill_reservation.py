@@ -124,9 +124,13 @@ class SpillReservation:
     def estimate(self, tensors: Iterable[SpillTensor]) -> int:
         """Estimated stored bytes of a group not yet encoded (its raw bytes while nothing is known)."""
         whole = self._seen_stored / self._seen_raw if self._seen_raw else 1.0
-        ratios = {cls: seen.ratio for cls, seen in self._classes.items()}
-        total = sum(t.raw_bytes * ratios.get(tensor_class(t.key, t.dtype), whole) for t in tensors)
+        total = sum(t.raw_bytes * self._ratio(t, whole) for t in tensors)
         return max(1, math.ceil(total))
+
+    def _ratio(self, tensor: SpillTensor, unseen: float) -> float:
+        """Stored/raw of ``tensor``'s class, ``unseen`` for a class not seen yet in this save."""
+        seen = self._classes.get(tensor_class(tensor.key, tensor.dtype))
+        return unseen if seen is None else seen.ratio
 
     def group_resolved(self, stored: list[tuple[SpillTensor, int]], nbytes: int, packed_bytes: int,
                        upcoming: Iterable[list[SpillTensor]], resident_left: int) -> None:  # fmt: skip
