@@ -79,6 +79,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scratch", type=Path, default=Path(os.environ.get("BENCH_SCRATCH", ".bench-scratch")))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke test")
+    p.add_argument("--batch", type=int, help="sequences per step (default 8; 4 with --tiny)")
+    p.add_argument("--context", type=int, help="tokens per sequence (default 128; 64 with --tiny). A larger step "
+                   "hides more of a fence behind its forward and backward")  # fmt: skip
     p.add_argument("--chart", type=Path, help="draw the chart of this JSON report and exit")
     return p.parse_args(argv)
 
@@ -183,7 +186,8 @@ def summary(row: dict[str, Any]) -> str:
 def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progress,
              measured: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
     """Every method's saves at one model size; ``measured(result so far)`` after each method."""
-    config = WorkloadConfig(width=width, layers=layers, context=64 if args.tiny else 128, batch=4 if args.tiny else 8)
+    context = args.context or (64 if args.tiny else 128)
+    config = WorkloadConfig(width=width, layers=layers, context=context, batch=args.batch or (4 if args.tiny else 8))
     work = Workload(config)
     device = work.device
     for _ in range(3):
@@ -201,7 +205,7 @@ def run_size(args: argparse.Namespace, width: int, layers: int, progress: Progre
     rows: list[dict[str, Any]] = []
     result = {"width": width, "layers": layers, "parameters": work.parameters, "state_bytes": state_bytes,
               "baseline_step_seconds": baseline, "gpu_free_after_fill_bytes": free_after_fill,
-              "step_live_bytes": step_live,
+              "step_live_bytes": step_live, "batch": config.batch, "context": config.context,
               "rows": rows}  # fmt: skip
     step = 0
     names = args.methods.split(",") + (["asyncckpt:auto:auto+preallocate"] if args.preallocate else [])
@@ -291,6 +295,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"## {size['parameters'] / 1e9:.2f}B parameters ({size['width']}x{size['layers']}), "
             f"{fmt_bytes(size['state_bytes'])} of weights + AdamW state; baseline step "
             f"{fmt_seconds(size['baseline_step_seconds'])}"
+            + (f" at {size['batch']} x {size['context']} tokens" if size.get("batch") else "")
             + (
                 f" (a step's own live tensors: {fmt_bytes(size['step_live_bytes'])})"
                 if size.get("step_live_bytes")

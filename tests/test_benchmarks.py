@@ -257,11 +257,13 @@ def test_gpu_pipeline_judges_blocked_time_on_the_median_of_its_samples() -> None
 
 def test_full_gpu_tiny(tmp_path: Path) -> None:
     """The full-GPU benchmark end to end at CPU size: every row measured, the report and chart written."""
-    proc = run_module("-m", "benchmarks.full_gpu", "--tiny", "--saves", "3", "--out", str(tmp_path),
+    proc = run_module("-m", "benchmarks.full_gpu", "--tiny", "--saves", "3", "--batch", "3", "--out", str(tmp_path),
                       "--scratch", str(tmp_path / "s"))  # fmt: skip
     (report_path,) = tmp_path.glob("full_gpu-*.json")
     data = json.loads(report_path.read_text())
     (size,) = data["sizes"]
+    assert (size["batch"], size["context"]) == (3, 64), "the step asked for (batch), the tiny default (context)"
+    assert "at 3 x 64 tokens" in report_path.with_suffix(".md").read_text()
     rows = size["rows"]
     assert {r["method"] for r in rows} == {"asyncckpt:host:auto", "asyncckpt:host:auto:delta", "dcp.async_save"}
     for row in rows:
