@@ -385,10 +385,10 @@ def test_small_tensors_stored_raw_between_large_ones_do_not_oversize_the_blocks(
 @pytest.mark.parametrize("mid_mib", [16, 64, 256])
 def test_a_mid_size_tensor_over_its_estimate_does_not_take_a_block_pinned_for_a_larger_one(mid_mib: int) -> None:
     """Each layer's 1 GiB matrix (0.8x) is followed by a smaller tensor of the same class stored raw
-    (1.0x), estimated at the matrix's ratio, so it comes out over its block. It must get a block of
-    its own size, pinned ahead of the queue on the pool's threads, not the free block pinned for the
-    next matrix: taking that one left the matrix to pin another, and the save pinned 1.30-1.94x the
-    blocks needed (review of d838d1d; 1.84x with 64 MiB tensors)."""
+    (1.0x). Estimated at its class's ratio (the matrix's), it came out over its block and took the
+    free block pinned for the next matrix, which then pinned another: 1.30-1.94x the blocks needed
+    (review of d838d1d; 1.84x with 64 MiB tensors). Estimated from the tensors of its class and size
+    (the previous layer's), it gets a block of its own from the second layer on."""
     groups = []
     for i in range(40):
         big = SpillTensor(f"model/layers.{i}.mlp.weight", torch.float32, GiB)

@@ -400,22 +400,6 @@ def test_acquire_waits_for_a_reserved_block_rather_than_pinning_its_own() -> Non
     pool.close()
 
 
-def test_acquire_waits_for_a_block_of_its_size_rather_than_take_one_pinned_for_a_larger_group() -> None:
-    """A free block over twice what is asked was pinned for a larger group still to come: while a
-    reservation pins one of about the asked size, acquire waits for that one. With none coming, it
-    takes the large one (pinning its own would hold the fence)."""
-    pool = SlowPool(GiB, delay=0.2)
-    pool.reserve([200 * MiB], threads=1).join()  # free now, meant for a later group
-    pool.reserve([20 * MiB], threads=1)  # still pinning
-    got = pool.acquire(20 * MiB)
-    assert got is not None and got.nbytes == block_size_for(20 * MiB)
-    assert pool.free_bytes == block_size_for(200 * MiB)
-    alone = pool.acquire(20 * MiB)  # nothing is being pinned now
-    assert alone is not None and alone.nbytes == block_size_for(200 * MiB)
-    assert pool.allocations == [block_size_for(200 * MiB), block_size_for(20 * MiB)]
-    pool.close()
-
-
 def test_a_reservation_stopped_by_the_budget_never_leaves_acquire_waiting() -> None:
     pool = SlowPool(150 * MiB, delay=0.05)
     reservation = pool.reserve([100 * MiB, 100 * MiB], threads=1)  # the second does not fit the budget

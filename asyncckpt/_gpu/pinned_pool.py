@@ -61,13 +61,6 @@ def block_size_for(nbytes: int) -> int:
     return max(BLOCK_ALIGN_BYTES, align_up(want, BLOCK_ALIGN_BYTES))
 
 
-def fits_closely(block_bytes: int, nbytes: int) -> bool:
-    """Whether a block of ``block_bytes`` holds ``nbytes`` without being sized for a group at least
-    twice as large: a block over that was pinned for a larger group still to come, which would
-    have to pin another if a smaller one took it."""
-    return nbytes <= block_bytes <= 2 * block_size_for(nbytes)
-
-
 @dataclass(eq=False)
 class PinnedBlock:
     """One registered host allocation; ``data`` is its bytes (1-D uint8)."""
@@ -132,21 +125,16 @@ class PinnedPool:
         with self._lock:
             while True:
                 fitting = [b for b in self._free if nbytes <= b.nbytes]
-                coming = [block_size_for(size) for size in (*self._pending, *self._in_pin)] if self._pinning else []
-                best = min(fitting, key=lambda b: b.nbytes) if fitting else None
-                # A block far larger than asked is waited past when one of about this size is being
-                # pinned (cover() queues one at the front for a group over its estimate): taken, it
-                # would leave the larger group it was pinned for to pin another (review of d838d1d:
-                # 64 MiB tensors between 1 GiB ones pinned 1.84x the blocks needed).
-                if best is not None and (fits_closely(best.nbytes, nbytes)
-                                         or not any(fits_closely(n, nbytes) for n in coming)):  # fmt: skip
+                if fitting:
                     # Never pin while a fitting block is free: pinning holds the fence. An oversized
                     # block is given back by recycle() if a later save no longer needs it.
+                    best = min(fitting, key=lambda b: b.nbytes)
                     self._free.remove(best)
                     return best
                 # A block being pinned by several threads arrives sooner than one pinned here, and
                 # pinning a second one would take the budget the reservation counted on.
-                if not any(nbytes <= n for n in coming):
+                coming = (*self._pending, *self._in_pin)
+                if not self._pinning or not any(nbytes <= block_size_for(size) for size in coming):
                     break
                 self._arrived.wait()
         block = self._allocate_within_budget(nbytes)
@@ -320,17 +308,18 @@ class PinnedPool:
         exact = len(sizes) if estimated_from is None else estimated_from
         urgent = estimated_from is not None
         with self._lock:
-            have = sorted([b.nbytes for b in self._free] + [block_size_for(n) for n in (*self._pending, *self._in_pin)])
+            have = sorted([(b.nbytes, True) for b in self._free]
+                          + [(block_size_for(n), False) for n in (*self._pending, *self._in_pin)])  # fmt: skip
         # Each size takes the smallest block that fits it, largest sizes first; exact sizes (wanted
-        # now) before estimates. A resolved group's size is not covered by a block (free or still to
-        # be pinned) sized for a much larger one: it would take it from the tensor it was meant for,
-        # which would then pin another (and a queued one, acquire would wait for behind the queue).
+        # now) before estimates. A resolved group's size is not covered by a block still to be
+        # pinned for a much larger one: acquire would wait for it behind the queue, and take it
+        # from the tensor it was meant for.
         wants = sorted(((i < exact, size if i < exact else block_size_for(size), i) for i, size in enumerate(sizes)),
                        reverse=True)  # fmt: skip
         missing: set[int] = set()
         for resolved, want, i in wants:
-            close = resolved and urgent
-            fits = (k for k, n in enumerate(have) if fits_closely(n, want) or (not close and want <= n))
+            cap = 2 * block_size_for(want) if resolved and urgent else None
+            fits = (k for k, (n, free) in enumerate(have) if want <= n and (free or cap is None or n <= cap))
             k = next(fits, None)  # the smallest that fits
             if k is None:
                 missing.add(i)

@@ -6,8 +6,15 @@ the compressor thread holds training (8.7 s for 28 GB on an H100), so blocks are
 the pool's threads, in the order the compressor will ask for them. A block must hold a group's
 *compressed* bytes, which are known only once the group is encoded; before that they are estimated.
 
-The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for its
-class over its latest bytes (a ratio may drift through a trained model's layers).
+The estimate: each tensor's raw bytes times the ratio (stored/raw) seen so far in this save for the
+tensors of its class and size (the same tensor of the layers before it), else for its class, over
+their latest bytes (a ratio may drift through a trained model's layers). The size matters where a
+class mixes tensors that compress differently: a 64 MiB tensor stored raw (1.0x) between 1 GiB
+matrices (0.8x) of one class was estimated at the matrices' ratio, came out over its block and took
+the one pinned for the next matrix, which then pinned another (1.84x the blocks needed; 1.05x with
+sizes, ``tests/test_spill_reservation.py``). Taking a free block sized for a larger group is left
+to the pool to decide: making it wait for a block of its own size instead cost later saves and
+preallocated pools far more pinning on the fence (a review of that attempt, 58994ce).
 A class is the leaf of the tensor's key with its dtype (``weight``, ``exp_avg``, ``exp_avg_sq``, ...):
 the classes of training state compress differently (on the 1B demo model, FP32 weights 1.17x and
 Adam's first moment 1.11x, ``docs/benchmarks.md``), and a state dict lists them in runs (every
@@ -110,6 +117,8 @@ class SpillReservation:
     ahead_bytes: int = RESERVE_AHEAD_BYTES
     _classes: dict[tuple[str, torch.dtype], _ClassRatio] = field(default_factory=dict)
     """Stored/raw per class over its latest bytes (:class:`_ClassRatio`)."""
+    _sizes: dict[tuple[str, torch.dtype, int], _ClassRatio] = field(default_factory=dict)
+    """Stored/raw per class and raw size (the same tensor of every layer): asked first."""
     _seen_raw: int = 0
     _seen_stored: int = 0
     """Raw and stored bytes of every tensor resolved so far: the ratio of a class not seen yet."""
@@ -128,8 +137,10 @@ class SpillReservation:
         return max(1, math.ceil(total))
 
     def _ratio(self, tensor: SpillTensor, unseen: float) -> float:
-        """Stored/raw of ``tensor``'s class, ``unseen`` for a class not seen yet in this save."""
-        seen = self._classes.get(tensor_class(tensor.key, tensor.dtype))
+        """Stored/raw of the tensors of ``tensor``'s class and size, else of its class; ``unseen`` for a
+        class not seen yet in this save."""
+        leaf = tensor_class(tensor.key, tensor.dtype)
+        seen = self._sizes.get((*leaf, tensor.raw_bytes)) or self._classes.get(leaf)
         return unseen if seen is None else seen.ratio
 
     def group_resolved(self, stored: list[tuple[SpillTensor, int]], nbytes: int, packed_bytes: int,
@@ -148,7 +159,9 @@ class SpillReservation:
             if t.raw_bytes:
                 self._seen_raw += t.raw_bytes
                 self._seen_stored += n
-                self._classes.setdefault(tensor_class(t.key, t.dtype), _ClassRatio()).add(t.raw_bytes, n)
+                leaf = tensor_class(t.key, t.dtype)
+                self._classes.setdefault(leaf, _ClassRatio()).add(t.raw_bytes, n)
+                self._sizes.setdefault((*leaf, t.raw_bytes), _ClassRatio()).add(t.raw_bytes, n)
         self._asked_ahead = [(end, n) for end, n in self._asked_ahead if end > self._resolved_raw]
         new_class = len(self._classes) > seen  # the window ahead was estimated without it: re-estimate now
         if self._asked_raw and not new_class and sum(n for _end, n in self._asked_ahead) >= self.ahead_bytes // 2:
