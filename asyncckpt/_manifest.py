@@ -1,6 +1,6 @@
 """The manifest: one JSON document that describes a checkpoint (format v3/v4, docs/format.md).
 
-Writing is ``json.dumps`` of dataclasses, sealed with a SHA-256 of its own bytes
+Writing is JSON of the dataclasses (one tensor record per line), sealed with a SHA-256 of its own bytes
 (:mod:`asyncckpt._manifest_digest`). Reading treats the file as hostile input: the digest is
 checked before the JSON is parsed, then every field is type- and range-checked before anything
 is allocated or opened, and every error is a :class:`CorruptCheckpointError` that names the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ DELTA_VERSION = 4
 """Version 4 added incremental checkpoints: a top-level ``reference`` (the checkpoint this one's delta
 records are relative to) and a per-record ``delta`` op. Only a manifest with at least one delta
 record is written as version 4, so that a version-3 reader refuses it instead of loading the
-transformed bytes as the tensor; every other manifest stays version 3, byte for byte as before."""
+transformed bytes as the tensor; every other manifest stays version 3, with the members it had before."""
 READABLE_VERSIONS = (1, TENSOR_PLANES_VERSION, DIGEST_VERSION, DELTA_VERSION)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -120,12 +120,13 @@ class Manifest:
     def to_json(self) -> bytes:
         """The manifest file's bytes, sealed with its digest: version 4 if any record is a delta, else 3.
 
-        A version-3 manifest has neither ``reference`` nor any record's ``delta`` (its bytes are
+        A version-3 manifest has neither ``reference`` nor any record's ``delta`` (its members are
         exactly what versions before deltas wrote).
         """
         if any(t.delta is not None for t in self.tensors) and self.reference is None:
             raise ValueError("a manifest with delta records needs a reference")
-        doc = asdict(self)
+        doc = _fields_of(self)
+        doc["tensors"] = [_fields_of(t) for t in self.tensors]
         del doc["digest"]
         if self.is_delta:
             doc["format_version"] = DELTA_VERSION
@@ -135,6 +136,16 @@ class Manifest:
             for record in doc["tensors"]:
                 del record["delta"]
         return seal(doc)
+
+
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict (nested dataclasses too), sharing its lists and dicts.
+
+    Not ``dataclasses.asdict``, which deep-copies every value: ~80 ms of pure Python for the
+    31,000 chunk lists of a 2.8B-parameter state, on the worker thread at the end of every save,
+    and as many new objects for the garbage collector. The document is only serialised, never changed
+    below its top level."""
+    return {f.name: _fields_of(v) if is_dataclass(v) else v for f in fields(obj) for v in (getattr(obj, f.name),)}
 
 
 def manifest_json(manifest: Manifest, where: str | Path) -> bytes:

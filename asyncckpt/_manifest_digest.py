@@ -32,6 +32,10 @@ PREFIX_BYTES = len(_OPEN) + 64 + 2
 """Length of the sealed first line up to and including its comma (87 bytes)."""
 
 
+_COMPACT = json.JSONEncoder(allow_nan=False, separators=(", ", ": "))
+"""json's C encoder, which runs only without ``indent`` (``json.dumps(indent=...)`` runs a pure-Python one)."""
+
+
 def seal(doc: dict[str, Any]) -> bytes:
     """``doc`` (a non-empty object without a digest member) as a sealed manifest file's bytes. Any thread.
 
@@ -39,7 +43,28 @@ def seal(doc: dict[str, Any]) -> bytes:
     """
     if not doc or DIGEST_FIELD in doc:
         raise ValueError(f"a manifest to seal is a non-empty object without a {DIGEST_FIELD} member")
-    return seal_text(json.dumps(doc, indent=1, allow_nan=False).encode())
+    return seal_text(manifest_text(doc).encode())
+
+
+def manifest_text(doc: dict[str, Any]) -> str:
+    """``doc`` as JSON text: one top-level member per line, and a member that is a list of objects
+    (the tensor table) one object per line, each object compact. Any thread.
+
+    Written with json's C encoder: the indenting encoder is pure Python, and took ~70 ms (plus GC)
+    for a 2.8B-parameter state's 31,000 chunk entries, on the worker thread at the end of every
+    save, where training's thread waits for the GIL it holds. Still line-oriented, so a manifest
+    reads, greps and diffs a tensor per line. The layout is not part of the format: readers parse
+    the JSON (the seal covers the bytes, whatever their whitespace).
+    """
+    members = []
+    for name, value in doc.items():
+        key = _COMPACT.encode(name)
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            rows = ",\n  ".join(_COMPACT.encode(item) for item in value)
+            members.append(f" {key}: [\n  {rows}\n ]")
+        else:
+            members.append(f" {key}: {_COMPACT.encode(value)}")
+    return "{\n" + ",\n".join(members) + "\n}"
 
 
 def seal_text(body: bytes) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -10,9 +11,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run_python
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt._manifest import MANIFEST_NAME, read_manifest
+from asyncckpt._delta_ops import DELTA_OPS
+from asyncckpt._manifest import MANIFEST_NAME, Checksum, Manifest, Reference, TensorRecord, read_manifest
 from asyncckpt._manifest_digest import DIGEST_FIELD, PREFIX_BYTES
 from asyncckpt.distributed import DistributedCheckpointer
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
@@ -117,3 +121,59 @@ def test_the_cli_says_when_a_manifest_has_no_digest(checkpoint: Path) -> None:
     assert json.loads(run_python(cli, "verify", "--json", str(checkpoint)).stdout)["notes"] == [
         "no manifest digest (format v1)"
     ]
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(), children, max_size=3),
+    max_leaves=8,
+)
+_RECORDS = st.builds(
+    TensorRecord,
+    key=st.text(),
+    dtype=st.text(max_size=8),
+    shape=st.lists(st.integers(0, 1 << 40), max_size=3),
+    device=st.sampled_from(["cpu", "cuda:0"]),
+    file=st.text(max_size=8),
+    offset=st.integers(0, 1 << 50),
+    stored_bytes=st.integers(0, 1 << 50),
+    raw_bytes=st.integers(0, 1 << 50),
+    codec=st.text(max_size=6),
+    codec_params=st.dictionaries(st.text(max_size=6), _JSON_VALUES, max_size=3),
+    chunks=st.lists(st.lists(st.integers(0, 1 << 40), min_size=2, max_size=2), max_size=6),
+    checksum=st.builds(Checksum, algorithm=st.text(max_size=6), value=st.text(max_size=8)),
+    delta=st.none() | st.sampled_from(sorted(DELTA_OPS)),
+)
+
+
+_REFERENCES = st.none() | st.builds(Reference, step=st.integers(0, 1 << 40), manifest_sha256=st.text(max_size=64))
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=st.lists(_RECORDS, max_size=5), structure=st.dictionaries(st.text(), _JSON_VALUES, max_size=3),
+       metadata=st.dictionaries(st.text(), _JSON_VALUES, max_size=3), step=st.integers(0, 1 << 62),
+       reference=_REFERENCES)  # fmt: skip
+def test_the_manifest_file_holds_its_fields_and_a_tensor_record_per_line(
+    records: list[TensorRecord], structure: dict, metadata: dict, step: int, reference: Reference | None
+) -> None:
+    """The manifest is written with json's compact encoder and its own layout, not ``json.dumps`` of
+    ``dataclasses.asdict`` (too slow on the worker thread for a large state); what it holds must be
+    exactly that document's members, and each tensor record a line of its own."""
+    if reference is None:
+        records = [dataclasses.replace(r, delta=None) for r in records]
+    manifest = Manifest(step=step, created_unix=1.5, library_version="x", tensors=records, structure=structure,
+                        metadata=metadata, reference=reference)  # fmt: skip
+    data = manifest.to_json()
+    assert data[21 : 21 + 64].decode() == hashlib.sha256(data[PREFIX_BYTES:]).hexdigest()
+    written = json.loads(data)
+    expected = {DIGEST_FIELD: written[DIGEST_FIELD], **dataclasses.asdict(manifest)}
+    del expected["digest"]
+    expected["format_version"] = 4 if manifest.is_delta else 3
+    if not manifest.is_delta:
+        del expected["reference"]
+        for record in expected["tensors"]:
+            del record["delta"]
+    assert written == expected
+    assert list(written) == list(expected)  # the members in the dataclass's order, the digest first
+    rows = [json.loads(line.rstrip(b",")) for line in data.splitlines() if line.startswith(b"  {")]
+    assert rows == expected["tensors"]
