@@ -99,6 +99,43 @@ def test_checkpoint_is_a_complete_hf_checkpoint_and_resumes_exactly(tmp_path: Pa
         trainer.close_checkpointer()
 
 
+class _StagingBeforeFirstSave(transformers.TrainerCallback):
+    """At step 2 (the first save is at step 3): the staging the checkpointer holds, once any
+    preallocation has finished."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.staging_bytes: int | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 2:
+            if self.trainer.asyncckpt_preallocation is not None:
+                self.trainer.asyncckpt_preallocation.join(60)
+            checkpointer = self.trainer._asyncckpt
+            self.staging_bytes = 0 if checkpointer is None else checkpointer._backend.stager.host_staging_bytes()
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_staging_is_allocated_after_the_first_step_not_by_the_first_save(tmp_path: Path, preallocate: bool) -> None:
+    probe = _StagingBeforeFirstSave()
+    trainer = AsyncCkptTrainer(model=_model(), args=_args(tmp_path / "a", max_steps=3), train_dataset=_data(),
+                               asyncckpt_options={"codec": "zstd"}, asyncckpt_preallocate=preallocate,
+                               callbacks=[probe])  # fmt: skip
+    probe.trainer = trainer
+    trainer.train()
+    trainer.checkpointer.wait()
+    after_first_save = trainer.checkpointer._backend.stager.host_staging_bytes()
+    assert after_first_save > 0  # the state's tensors too large to clone at save() go through the staging
+    if preallocate:  # allocated before the first save, which then allocated nothing more
+        assert trainer.asyncckpt_preallocation is not None and probe.staging_bytes == after_first_save
+    else:  # the first save allocated it
+        assert trainer.asyncckpt_preallocation is None and probe.staging_bytes == 0
+    saved = asyncckpt.load(tmp_path / "a" / "checkpoint-3" / STATE_DIR)  # the save into that staging is whole
+    for key, value in trainer.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(saved["optimizer"]["state"][0][key], value), key
+    trainer.close_checkpointer()
+
+
 def test_uncommitted_training_state_refuses_to_resume(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path / "a", max_steps=3)
     trainer.train()

@@ -44,14 +44,26 @@ Rotation (``save_total_limit``) waits for a save still in flight to a checkpoint
 several processes (DDP) the main process saves the (replicated) state; other processes' RNG
 states are not saved.
 
-Threads: everything here runs on the training thread; asyncckpt's worker thread writes ``asyncckpt/``.
+Staging memory: after the first optimizer step of ``train()`` (which creates the optimizer's
+moments) the trainer calls :meth:`~asyncckpt.AsyncCheckpointer.preallocate` for the training
+state, so the host (pinned) or GPU staging the saves need is allocated in the background long
+before the first save, instead of during it: pinning tens of GB takes seconds, which a first save
+spends on the training thread (``host`` mode) or while the next optimizer step waits (``fence``).
+The cost is that staging is held from the first step rather than from the first save.
+``asyncckpt_preallocate=False`` turns it off.
+
+Threads: everything here runs on the training thread; asyncckpt's worker thread writes ``asyncckpt/``,
+and a background thread of asyncckpt's allocates the staging.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +71,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .._loader import load
@@ -73,6 +85,8 @@ STATE_DIR = "asyncckpt"
 """The subdirectory of ``checkpoint-N/`` holding the asyncckpt checkpoint of the training state."""
 
 _HUB_FOLDER_STRATEGIES = ("checkpoint", "all_checkpoints")  # upload the checkpoint folder itself
+
+log = logging.getLogger("asyncckpt")
 
 
 def is_asyncckpt_checkpoint(path: str | os.PathLike[str] | None) -> bool:
@@ -104,13 +118,20 @@ class AsyncCkptTrainerMixin:
     Args:
         asyncckpt_options: :class:`~asyncckpt.CheckpointOptions` fields (``codec``, ``max_inflight``,
             ``metrics_port``, ...) plus ``observer``/``registry``.
+        asyncckpt_preallocate: allocate the saves' staging memory in the background after the first
+            optimizer step (default), rather than in the first save (module docstring).
     """
 
-    def __init__(self, *args: Any, asyncckpt_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, asyncckpt_options: dict[str, Any] | None = None,
+                 asyncckpt_preallocate: bool = True, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self._asyncckpt_options = dict(asyncckpt_options or {})
         self._asyncckpt: TargetedCheckpointer | None = None
         self._asyncckpt_resumed: dict[str, Any] | None = None
+        self.asyncckpt_preallocation: threading.Thread | None = None
+        """The background allocation of the staging, once started after the first optimizer step."""
+        if asyncckpt_preallocate:
+            self.add_callback(_PreallocateAfterFirstStep(self))  # type: ignore[attr-defined]  # the Trainer's
 
     @property
     def checkpointer(self) -> TargetedCheckpointer:
@@ -166,6 +187,18 @@ class AsyncCkptTrainerMixin:
             trainer._push_from_checkpoint(output_dir)
         if trainer.args.should_save:
             self._rotate(run_dir)
+
+    def _preallocate_staging(self) -> None:
+        """Start allocating the staging for the training state, where this process saves it. Training thread."""
+        trainer: Any = self
+        strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
+        if not trainer.args.should_save or trainer.args.save_only_model or strategy == "no":
+            return
+        try:
+            self.asyncckpt_preallocation = self.checkpointer.preallocate(self._training_state())
+        except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
+            log.warning("asyncckpt: could not allocate the checkpoint staging ahead of the first save "
+                        "(that save will allocate it): %s", exc)  # fmt: skip
 
     def _training_state(self) -> dict[str, Any]:
         """Optimizer, scheduler, scaler and RNG states: upstream's optimizer.pt/scheduler.pt/scaler.pt/rng_state.pth."""
@@ -262,6 +295,22 @@ class AsyncCkptTrainerMixin:
         rng = self._resumed(checkpoint).get("rng")
         if rng is not None:
             _set_rng_state(rng)
+
+
+class _PreallocateAfterFirstStep(TrainerCallback):
+    """Calls the trainer's ``_preallocate_staging`` once, at the end of the first optimizer step of a run
+    (the moments exist from then on, and every save takes the same tensors). Training thread."""
+
+    def __init__(self, trainer: AsyncCkptTrainerMixin) -> None:
+        self._trainer = weakref.ref(trainer)  # the trainer holds this callback: no cycle through it
+        self._done = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if self._done or trainer is None:
+            return
+        self._done = True
+        trainer._preallocate_staging()
 
 
 class AsyncCkptTrainer(AsyncCkptTrainerMixin, Trainer):
