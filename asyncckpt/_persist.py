@@ -144,7 +144,7 @@ def write_part(snapshot: Snapshot, encoder: Encoder, storage: Storage, path: Pat
                     key=staged.key, dtype=dtype_name(staged.dtype) or "", shape=list(staged.shape),
                     device=str(staged.device), file=path.name, offset=offset, stored_bytes=blob.stored_bytes,
                     raw_bytes=staged.data.numel(), codec=blob.codec, codec_params=dict(blob.params),
-                    chunks=[[s, r] for s, r in blob.chunks], checksum=digest, delta=blob.delta,
+                    chunks=[(s, r) for s, r in blob.chunks], checksum=digest, delta=blob.delta,
                 ))  # fmt: skip
             began = time.perf_counter()
             writer.sync()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Sequence
 
 from ..errors import CheckpointError, CorruptCheckpointError, gpu_extra_hint
 from .base import CPU_CODECS, GPU_ONLY_CODECS, Decoder, EncodedBlob, Encoder, PerTensorEncoder
@@ -70,7 +71,7 @@ def _build_decoder(name: str, where: str) -> Decoder:
     return getattr(importlib.import_module(module_name), class_name)()
 
 
-def check_expansion(codec: str, chunks: list[list[int]], where: str) -> None:
+def check_expansion(codec: str, chunks: Sequence[tuple[int, int]], where: str) -> None:
     """Raise CorruptCheckpointError if a chunk claims more raw bytes than ``codec`` can produce from it.
 
     Codecs without a known bound (the GPU-only nvCOMP formats) pass. Costs one step per chunk.
