@@ -41,8 +41,8 @@ def seal(doc: dict[str, Any]) -> bytes:
 
     Raises ValueError for values JSON cannot hold exactly (NaN, infinity).
     """
-    if not doc or DIGEST_FIELD in doc:
-        raise ValueError(f"a manifest to seal is a non-empty object without a {DIGEST_FIELD} member")
+    if not doc or DIGEST_FIELD in doc or not all(isinstance(name, str) for name in doc):
+        raise ValueError(f"a manifest to seal is a non-empty object with str member names, without {DIGEST_FIELD}")
     return seal_text(manifest_text(doc).encode())
 
 

@@ -20,7 +20,7 @@ import asyncckpt
 import asyncckpt._persist as persist
 from asyncckpt._delta_ops import DELTA_OPS
 from asyncckpt._manifest import MANIFEST_NAME, Checksum, Manifest, Reference, TensorRecord, read_manifest
-from asyncckpt._manifest_digest import DIGEST_FIELD, PREFIX_BYTES
+from asyncckpt._manifest_digest import DIGEST_FIELD, PREFIX_BYTES, seal
 from asyncckpt.distributed import DistributedCheckpointer
 from asyncckpt.integrations.dcp import AsyncCkptReader, AsyncCkptWriter
 
@@ -204,3 +204,15 @@ def test_chunk_tables_leave_nothing_for_the_garbage_collector(run_dir: Path, mon
     for records in (written[0].records, read.tensors):
         chunks = [c for record in records for c in record.chunks]
         assert len(chunks) >= 2 and not any(gc.is_tracked(c) for c in chunks)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "key"])
+def test_a_manifest_that_json_cannot_hold_exactly_is_refused(bad: str) -> None:
+    value = {"nan": float("nan"), "inf": float("-inf")}.get(bad, 1.5)
+    manifest = Manifest(step=1, created_unix=value, library_version="x", tensors=[], structure={})
+    if bad == "key":
+        with pytest.raises(ValueError, match="str member names"):
+            seal({"step": 1, 2: "a"})
+    else:
+        with pytest.raises(ValueError):
+            manifest.to_json()
