@@ -60,7 +60,7 @@ def read_record_raw(reader: BlobReader, record: TensorRecord, where: str) -> tor
     except RuntimeError as exc:
         raise CheckpointError(f"{where}: cannot allocate {record.raw_bytes} bytes to decode it: {exc}") from exc
     try:
-        decoder.decode(blob, [(s, r) for s, r in record.chunks], record.codec_params, out)
+        decoder.decode(blob, record.chunks, record.codec_params, out)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
     return out

@@ -206,13 +206,13 @@ def test_chunk_tables_leave_nothing_for_the_garbage_collector(run_dir: Path, mon
         assert len(chunks) >= 2 and not any(gc.is_tracked(c) for c in chunks)
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf", "key"])
-def test_a_manifest_that_json_cannot_hold_exactly_is_refused(bad: str) -> None:
-    value = {"nan": float("nan"), "inf": float("-inf")}.get(bad, 1.5)
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_a_manifest_that_json_cannot_hold_exactly_is_refused(value: float) -> None:
     manifest = Manifest(step=1, created_unix=value, library_version="x", tensors=[], structure={})
-    if bad == "key":
-        with pytest.raises(ValueError, match="str member names"):
-            seal({"step": 1, 2: "a"})
-    else:
-        with pytest.raises(ValueError):
-            manifest.to_json()
+    with pytest.raises(ValueError):
+        manifest.to_json()
+
+
+def test_a_member_name_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(ValueError, match="str member names"):
+        seal({"step": 1, 2: "a"})

@@ -189,8 +189,7 @@ def _decode_window(
         if record.codec not in ALGORITHMS:
             raise CorruptCheckpointError(f"{where}: unknown codec {record.codec!r}")
         spec = spec_from_manifest(record.codec, record.codec_params, where)
-        chunks = [(s, r) for s, r in record.chunks]
-        by_spec.setdefault(spec, []).append(DecodeItem(blob, chunks, raw, where))
+        by_spec.setdefault(spec, []).append(DecodeItem(blob, record.chunks, raw, where))
     for spec, decode_items in by_spec.items():
         decode_many(spec, decode_items)
     torch.cuda.current_stream(device).synchronize()  # the `none` copies above ran on the caller's stream
