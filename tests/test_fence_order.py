@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from asyncckpt._codecs.base import EncodedBlob
 from asyncckpt._gpu.pinned_pool import PinnedPool
 from asyncckpt._gpu.pipeline import CompressStats, GpuEncoder, _Outgoing, _Packed
+from asyncckpt._gpu.spill_reservation import SpillHistory
 from asyncckpt._snapshot import StagedTensor
 
 KiB = 1 << 10
@@ -59,6 +60,7 @@ class ModelledFence:
     packed_copies_in_flight: int = 0
     """Copies of packed groups not yet waited for: each holds its GPU buffer until then."""
     most_in_flight_at_enqueue: int = 0
+    _spill_history: SpillHistory = field(default_factory=SpillHistory)
 
     _plan = GpuEncoder._plan
     _hand_over = staticmethod(GpuEncoder._hand_over)

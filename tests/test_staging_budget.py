@@ -200,6 +200,21 @@ def test_pinned_pool_recycle_keeps_what_the_last_save_used() -> None:
     pool.close()
 
 
+def test_pinned_pool_recycle_keeps_an_unused_block_a_little_larger_in_place_of_a_used_one() -> None:
+    """A reservation pinned a block with more margin for a group that, arriving, took a tighter one: at
+    the save's end the larger block is kept in the tighter one's place (freeing it and pinning it
+    again at every save was what later saves did). A block far larger than any used one is freed."""
+    pool = PinnedPool(budget_bytes=GiB, pin=False)
+    pool.reserve([40 * MiB, 44 * MiB, 200 * MiB]).join()
+    tight = pool.acquire(40 * MiB)
+    assert tight is not None and tight.nbytes == block_size_for(40 * MiB) < block_size_for(44 * MiB)
+    tight_bytes = tight.nbytes  # recycle() frees it, and a freed block holds no bytes
+    assert pool.recycle([tight]) == tight_bytes + block_size_for(200 * MiB)
+    assert sorted(b.nbytes for b in pool._free) == [block_size_for(44 * MiB)]
+    assert pool.allocated_bytes == block_size_for(44 * MiB)
+    pool.close()
+
+
 def test_pinned_pool_reserve_runs_in_the_background_and_is_reused() -> None:
     pool = PinnedPool(budget_bytes=GiB, pin=False)
     pool.reserve([30 * MiB, 20 * MiB]).join()

@@ -32,6 +32,7 @@ Threads: ``acquire`` on the compressor thread, ``give_back`` on the checkpoint w
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import mmap
@@ -49,6 +50,9 @@ BLOCK_ALIGN_BYTES = 2 << 20
 """Blocks are a whole number of 2 MiB huge pages."""
 HEADROOM_DIVISOR = 16
 """A block is made 1/16 larger than asked, so the next save's groups, a little larger, still fit."""
+TWIN_DIVISOR = 8
+"""An unused block at most 1/8 larger than a used one replaces it when a save ends (a block's headroom
+is 1/16 of its group, a reservation's margin for a known group 1/32)."""
 HOST_REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: the memory counts as pinned in every CUDA context."""
 PIN_THREADS = 8
@@ -186,13 +190,15 @@ class PinnedPool:
 
         Worker thread, at the end of a save. What the pool keeps is then what the last save
         needed (a reservation larger than that, or blocks of an older, larger state, are freed),
-        which bounds pinned memory to about one compressed state per save in flight."""
+        which bounds pinned memory to about one compressed state per save in flight; an unused
+        block a little larger than a used one is kept in its place (:func:`_keep_larger_twins`)."""
         with self._lock:
             if self._pinning:  # the free blocks may be a reservation's for the next save: keep them
                 self._free.extend(blocks)
                 self._arrived.notify_all()
                 return 0
-            stale, self._free = self._free, list(blocks)  # the save's blocks were in use, not free
+            # The save's blocks were in use, not free: those free now are the ones it did not use.
+            stale, self._free = _keep_larger_twins(self._free, list(blocks))
             freed_bytes = sum(b.nbytes for b in stale)
             self._allocated_bytes -= freed_bytes
             self._arrived.notify_all()
@@ -292,7 +298,8 @@ class PinnedPool:
             self._pending.clear()
         self._arrived.notify_all()
 
-    def cover(self, sizes: Sequence[int], estimated_from: int | None = None) -> threading.Thread | None:
+    def cover(self, sizes: Sequence[int], estimated_from: int | None = None,
+              least_blocks: Sequence[int] | None = None) -> threading.Thread | None:  # fmt: skip
         """Reserve blocks for those of ``sizes`` (in the order they will be asked for) that the free
         blocks and the blocks reservations are pinning do not cover; the last reservation's thread,
         or None when nothing is missing. Each block covers one size it fits, largest sizes first;
@@ -300,9 +307,11 @@ class PinnedPool:
 
         ``estimated_from``: the sizes from this index on are estimates (of groups not yet
         compressed), covered only by a block with the headroom a new one would get
-        (:func:`block_size_for`), since the group may come out a little larger; the sizes before it
-        are exact (resolved groups, waiting for their blocks), and those missing are pinned ahead of
-        everything pending. The compressor's calls during a ``fence`` save
+        (:func:`block_size_for`), since the group may come out a little larger, or by a block of
+        ``least_blocks[k]`` bytes for the k-th estimate where given (an estimate known to be close);
+        the sizes before it are exact (resolved groups, waiting for their blocks), and those missing
+        are pinned ahead of everything pending. A missing estimate is pinned with a new block's
+        headroom either way. The compressor's calls during a ``fence`` save
         (:class:`~asyncckpt._gpu.spill_reservation.SpillReservation`) pin what is ahead of it on
         :data:`PIN_THREADS` threads beside it."""
         exact = len(sizes) if estimated_from is None else estimated_from
@@ -314,7 +323,10 @@ class PinnedPool:
         # now) before estimates. A resolved group's size is not covered by a block still to be
         # pinned for a much larger one: acquire would wait for it behind the queue, and take it
         # from the tensor it was meant for.
-        wants = sorted(((i < exact, size if i < exact else block_size_for(size), i) for i, size in enumerate(sizes)),
+        if least_blocks is not None and len(least_blocks) != len(sizes) - exact:
+            raise ValueError(f"least_blocks has {len(least_blocks)} sizes for {len(sizes) - exact} estimates")
+        least = list(least_blocks) if least_blocks is not None else [block_size_for(n) for n in sizes[exact:]]
+        wants = sorted(((i < exact, size if i < exact else least[i - exact], i) for i, size in enumerate(sizes)),
                        reverse=True)  # fmt: skip
         missing: set[int] = set()
         for resolved, want, i in wants:
@@ -372,6 +384,31 @@ class PinnedPool:
 
     def _allocate(self, size: int) -> PinnedBlock:
         return allocate_block(size, self.device, self.pin)
+
+
+def _keep_larger_twins(unused: list[PinnedBlock],
+                       used: list[PinnedBlock]) -> tuple[list[PinnedBlock], list[PinnedBlock]]:  # fmt: skip
+    """(the blocks to free, the blocks to keep) at the end of a save: the blocks it used are kept and
+    the unused ones freed, except that an unused block up to 1/:data:`TWIN_DIVISOR` larger than a
+    used one is kept in its place. A reservation pins a larger block where a free one fits a group
+    with too little margin (``PinnedPool.cover``), but the group, arriving, takes the smallest block
+    that fits; without the swap the larger block was freed at every save's end and pinned again
+    at the next (0.79 GB a save in ``benchmarks/results/repin-20261207-cpu.py.txt``)."""
+    kept = list(used)
+    # The used blocks not yet replaced (indices into kept), smallest first; `sizes` are theirs.
+    replaceable = sorted(range(len(kept)), key=lambda i: kept[i].nbytes)
+    sizes = [kept[i].nbytes for i in replaceable]
+    stale: list[PinnedBlock] = []
+    for block in sorted(unused, key=lambda b: b.nbytes, reverse=True):
+        k = bisect.bisect_left(sizes, block.nbytes) - 1  # the largest used block smaller than this one
+        if k >= 0 and block.nbytes <= sizes[k] + sizes[k] // TWIN_DIVISOR:
+            i = replaceable.pop(k)
+            sizes.pop(k)
+            stale.append(kept[i])
+            kept[i] = block
+        else:
+            stale.append(block)
+    return stale, kept
 
 
 def allocate_block(size: int, device: torch.device | None, pin: bool) -> PinnedBlock:

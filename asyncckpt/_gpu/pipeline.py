@@ -68,7 +68,7 @@ from .fence import FenceGate
 from .planes import plane_stride, split_into, split_tensor_into
 from .snapshot import BlobChannel, GpuSnapshot, Group
 from .specs import CodecSpec
-from .spill_reservation import SpillReservation, SpillTensor
+from .spill_reservation import SpillHistory, SpillReservation, SpillTensor
 from .staging import TINY_BYTES, aligned_layout, aligned_offsets, copy_fence_stragglers
 
 log = logging.getLogger("asyncckpt")
@@ -248,6 +248,9 @@ class GpuEncoder:
         """Device-to-host copies of compressed groups (fence saves over the GPU budget); made on first use."""
         self._pack_stream = torch.cuda.Stream(device=device)
         """Packing and checksums, each group behind its own encodes; packed buffers come from its pool alone."""
+        self._spill_history = SpillHistory()
+        """What each tensor stored in the last full ``fence`` save (compressor thread): the next one's
+        pinned blocks are reserved from it (:class:`~asyncckpt._gpu.spill_reservation.SpillReservation`)."""
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="asyncckpt-compress", daemon=True)
         self._thread.start()
@@ -390,7 +393,10 @@ class GpuEncoder:
         encoding: deque[tuple[list[tuple[int, StagedTensor]], _Work]] = deque()
         outgoing: deque[_Outgoing] = deque()
         retrying = False  # after running short, no auto probe: every candidate's output at once is what did not fit
-        reservation = SpillReservation(snapshot.pool)  # pinned blocks for what will spill, ahead of it
+        # Pinned blocks for what will spill, ahead of it, sized from what the last full save stored
+        # (a delta save's tensors store far less: it neither reads nor writes that history).
+        deltas = session is not None and session.base is not None and session.max_delta_bytes != 0
+        reservation = SpillReservation(snapshot.pool, history=None if deltas else self._spill_history)
         raw_copied: torch.cuda.Event | None = None  # the last raw copy of a live tensor, which the gate waits for
         while (todo or encoding) and not channel.cancelled:
             enqueuing = True  # an OOM in _enqueue has one more group in flight than `encoding` holds

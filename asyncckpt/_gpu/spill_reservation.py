@@ -28,7 +28,18 @@ groups hold about 1.07x (1/16 headroom and 2 MiB alignment, :func:`~asyncckpt._g
 
 Why a window: only the next :data:`RESERVE_AHEAD_BYTES` (estimated) are asked for, topped up when
 half is used, so what a wrong estimate can pin in excess is bounded by the window, and a group is
-estimated once it is near, when more of its class has been seen. The window keeps the pool's
+estimated once it is near, when more of its class has been seen.
+
+A later save knows more: what each tensor stored the last time (:class:`SpillHistory`, kept by the
+compressor from one ``fence`` save to the next). A tensor seen then is estimated at those bytes,
+scaled by how this save's tensors compare with theirs so far, and such an estimate is covered by a
+free block 1/:data:`KNOWN_MARGIN_DIVISOR` over it (a new block's headroom is 1/16 and its 2 MiB
+rounding): asked for a new block's full headroom, as a class-ratio estimate is, a group whose
+bytes had grown by a fraction of a percent missed its own block of the last save whenever that
+crossed a 2 MiB step, and took another's or had one pinned. In a CPU model of the 2.8B state
+(``benchmarks/results/repin-20261207-cpu.py.txt``) later saves pinned 0.5-2.0 GB each and freed as
+much at their end, as the H100 runs showed (0.76-1.53 GB of extra host memory in later saves,
+``docs/benchmarks.md``); with the last save's sizes, none. The window keeps the pool's
 threads busy: the compressor resolves a ~100 MB group in a few milliseconds, a thread pins one in
 tens (15.5 GB/s on eight threads, ``pinned_pool``), so pinning, not the window, paces a first save.
 An estimate is covered only by a block with a new block's headroom (``PinnedPool.cover``'s
@@ -49,8 +60,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pinned_pool import PinnedPool
+from .pinned_pool import PinnedPool, block_size_for
 
+KNOWN_MARGIN_DIVISOR = 32
+"""An estimate from the last save's bytes is covered by a free block 1/32 over it: this save's
+tensors differ from the last save's by about 1% (H100 runs, docs/benchmarks.md)."""
 RESERVE_AHEAD_BYTES = 2 << 30
 """Estimated stored bytes reserved beyond the groups resolved so far (topped up at half)."""
 CLASS_RATIO_BYTES = 32 << 20
@@ -109,12 +123,29 @@ class _ClassRatio:
         return self.stored / self.raw
 
 
+TensorId = tuple[str, torch.dtype, int]
+"""A tensor as the history knows it: key, dtype and raw bytes (a tensor whose size changed is new)."""
+
+
+@dataclass
+class SpillHistory:
+    """What each tensor stored in the last ``fence`` save, for the next one's estimates.
+
+    Owned by the compressor (one per encoder) and read and written on its thread only. Holds the
+    tensors of one save: each save's reservation starts a new record, so tensors that left the
+    state are forgotten."""
+
+    stored: dict[TensorId, int] = field(default_factory=dict)
+
+
 @dataclass
 class SpillReservation:
     """One ``fence`` save's reservation; :meth:`group_resolved` after each group is resolved."""
 
     pool: PinnedPool
     ahead_bytes: int = RESERVE_AHEAD_BYTES
+    history: SpillHistory | None = None
+    """The last save's bytes per tensor (read), then this save's (written as groups resolve)."""
     _classes: dict[tuple[str, torch.dtype], _ClassRatio] = field(default_factory=dict)
     """Stored/raw per class over its latest bytes (:class:`_ClassRatio`)."""
     _sizes: dict[tuple[str, torch.dtype, int], _ClassRatio] = field(default_factory=dict)
@@ -129,12 +160,33 @@ class SpillReservation:
     _asked_ahead: list[tuple[int, int]] = field(default_factory=list)
     """(raw end position, estimated bytes) of the groups the window has reached and that are not yet
     resolved (spilling or not): it is topped up when these fall under half of it."""
+    _last: dict[TensorId, int] = field(default_factory=dict)
+    """The history's bytes of the last save (this save's replace them in the history)."""
+    _again_last: int = 0
+    _again_now: int = 0
+    """Stored bytes, in the last save and in this one, of the tensors resolved so far that both have."""
+
+    def __post_init__(self) -> None:
+        if self.history is not None:
+            self._last, self.history.stored = self.history.stored, {}
 
     def estimate(self, tensors: Iterable[SpillTensor]) -> int:
         """Estimated stored bytes of a group not yet encoded (its raw bytes while nothing is known)."""
+        return self._estimate(tensors)[0]
+
+    def _estimate(self, tensors: Iterable[SpillTensor]) -> tuple[int, bool]:
+        """The estimate, and whether every tensor's comes from the last save (a near one)."""
         whole = self._seen_stored / self._seen_raw if self._seen_raw else 1.0
-        total = sum(t.raw_bytes * self._ratio(t, whole) for t in tensors)
-        return max(1, math.ceil(total))
+        drift = self._again_now / self._again_last if self._again_last else 1.0
+        total, known = 0.0, True
+        for t in tensors:
+            last = self._last.get((t.key, t.dtype, t.raw_bytes))
+            if last is None:
+                known = False
+                total += t.raw_bytes * self._ratio(t, whole)
+            else:
+                total += last * drift
+        return max(1, math.ceil(total)), known
 
     def _ratio(self, tensor: SpillTensor, unseen: float) -> float:
         """Stored/raw of the tensors of ``tensor``'s class and size, else of its class; ``unseen`` for a
@@ -156,6 +208,13 @@ class SpillReservation:
         seen = len(self._classes)
         for t, n in stored:
             self._resolved_raw += t.raw_bytes
+            tensor_id = (t.key, t.dtype, t.raw_bytes)
+            if self.history is not None:
+                self.history.stored[tensor_id] = n
+            last = self._last.get(tensor_id)
+            if last is not None:
+                self._again_last += last
+                self._again_now += n
             if t.raw_bytes:
                 self._seen_raw += t.raw_bytes
                 self._seen_stored += n
@@ -172,6 +231,7 @@ class SpillReservation:
         # only what the free and pending blocks cannot stand in for, and a block asked for an
         # upcoming group must not be counted as covering another.
         sizes: list[int] = []
+        least: list[int] = []
         if nbytes <= resident_left:
             resident_left -= nbytes
         else:
@@ -183,7 +243,7 @@ class SpillReservation:
             if ahead >= self.ahead_bytes:
                 break
             position += sum(t.raw_bytes for t in group)
-            size = self.estimate(group)
+            size, known = self._estimate(group)
             ahead += size
             if position > self._asked_raw:  # counted for the top-up, whether it spills or stays
                 self._asked_ahead.append((position, size))
@@ -192,9 +252,10 @@ class SpillReservation:
                 continue
             resident_left = 0
             sizes.append(size)
+            least.append(size + size // KNOWN_MARGIN_DIVISOR if known else block_size_for(size))
         self._asked_raw = max(self._asked_raw, position)
         if sizes:
-            self.pool.cover(sizes, estimated_from=exact)
+            self.pool.cover(sizes, estimated_from=exact, least_blocks=least)
 
     def skipped(self, raw_bytes: int) -> None:
         """A tensor of ``raw_bytes`` left the save's order without a group (stored raw after GPU
