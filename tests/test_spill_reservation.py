@@ -477,6 +477,45 @@ def test_later_fence_saves_reuse_the_pools_blocks_instead_of_pinning_and_freeing
     pool.close()
 
 
+def test_a_class_whose_ratio_moved_far_since_the_last_save_is_estimated_by_its_own_drift() -> None:
+    """Adam's moments store 0.05x in one save (just after the optimizer started) and 0.9x / 0.7x in the
+    next, while the weights stay at 0.855x. Scaled by the whole save's drift, the moments' groups came
+    out far over their blocks and six were pinned while the compressor waited (review of d65f835);
+    scaled by their class's own drift, the window is re-estimated once a moment has been seen."""
+
+    class FrontPool(VirtualPool):
+        """Records the blocks reserved ahead of the queue: a resolved group's, which the compressor waits for."""
+
+        def __init__(self, budget_bytes: int) -> None:
+            super().__init__(budget_bytes)
+            self.front: list[int] = []
+
+        def reserve(self, sizes, threads=8, front=False):  # type: ignore[no-untyped-def]
+            if front:
+                self.front.extend(sizes)
+            return super().reserve(sizes, threads, front)
+
+    state = transformer_state(2560, 4, vocab=8192)
+    plan = plan_groups([t.raw_bytes for t, _ratio in state], 256 * MiB)
+    pool, history = FrontPool(budget_bytes=1 << 50), SpillHistory()
+    for moments in ((0.05, 0.05), (0.90, 0.70)):
+        ratio = {"weight": 0.855, "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+        stored = [(t, max(1, int(t.raw_bytes * (r if r == 1.0 else ratio[tensor_class(t.key, t.dtype)[0]]))))
+                  for t, r in state]  # fmt: skip
+        groups = [[stored[i] for i in g] for g in plan]
+        reservation, held = SpillReservation(pool, history=history), []
+        pool.front = []
+        for i, group in enumerate(groups):
+            packed = packed_size([n for _t, n in group])
+            upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
+            reservation.group_resolved(group, sum(n for _t, n in group), packed, upcoming, 0)
+            pool.join()
+            held.append(pool.acquire(packed))
+        pool.recycle(held)
+    assert pool.front == [], [n / MiB for n in pool.front]
+    pool.close()
+
+
 def test_the_history_holds_one_saves_tensors_and_a_resized_tensor_is_new() -> None:
     """What the next save is estimated from is this save's record alone: a tensor that left the state
     is forgotten, and one whose size changed is estimated by its class, not its old bytes."""

@@ -501,9 +501,9 @@ def test_the_pool_under_concurrent_saves_and_reservations_never_hangs_or_double_
             if op == "reserve":
                 pool.reserve([size, size // 2 + 1], threads=2)
             elif op == "recycle":
-                pool.recycle(mine)
-                with lock:
+                with lock:  # before the blocks are free again: another thread may take one at once
                     held.difference_update(id(b) for b in mine)
+                pool.recycle(mine)
                 mine = []
             else:
                 block = pool.acquire(size)

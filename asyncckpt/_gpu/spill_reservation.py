@@ -28,24 +28,25 @@ groups hold about 1.07x (1/16 headroom and 2 MiB alignment, :func:`~asyncckpt._g
 
 Why a window: only the next :data:`RESERVE_AHEAD_BYTES` (estimated) are asked for, topped up when
 half is used, so what a wrong estimate can pin in excess is bounded by the window, and a group is
-estimated once it is near, when more of its class has been seen.
-
-A later save knows more: what each tensor stored the last time (:class:`SpillHistory`, kept by the
-compressor from one ``fence`` save to the next). A tensor seen then is estimated at those bytes,
-scaled by how this save's tensors compare with theirs so far, and such an estimate is covered by a
-free block 1/:data:`KNOWN_MARGIN_DIVISOR` over it (a new block's headroom is 1/16 and its 2 MiB
-rounding): asked for a new block's full headroom, as a class-ratio estimate is, a group whose
-bytes had grown by a fraction of a percent missed its own block of the last save whenever that
-crossed a 2 MiB step, and took another's or had one pinned. In a CPU model of the 2.8B state
-(``benchmarks/results/repin-20261207-cpu.py.txt``) later saves pinned 0.5-2.0 GB each and freed as
-much at their end, as the H100 runs showed (0.76-1.53 GB of extra host memory in later saves,
-``docs/benchmarks.md``); with the last save's sizes, none. The window keeps the pool's
+estimated once it is near, when more of its class has been seen. The window keeps the pool's
 threads busy: the compressor resolves a ~100 MB group in a few milliseconds, a thread pins one in
 tens (15.5 GB/s on eight threads, ``pinned_pool``), so pinning, not the window, paces a first save.
 An estimate is covered only by a block with a new block's headroom (``PinnedPool.cover``'s
 ``estimated_from``): a group may come out a few percent over its estimate, and a block that fits
 only the estimate would have the compressor pin one of its own while the fence holds. A group that
 comes out over every block there is gets one of its size at once, ahead of the queue.
+
+A later save knows more: what each tensor stored the last time (:class:`SpillHistory`, kept by the
+compressor from one ``fence`` save to the next). A tensor seen then is estimated at those bytes,
+scaled by how this save's tensors of its class (else all of them) compare with theirs so far, and
+such an estimate is covered by a free block 1/:data:`KNOWN_MARGIN_DIVISOR` over it (a new block
+has 1/16 headroom and 2 MiB rounding): asked for a new block's full headroom, as a class-ratio
+estimate is, a group whose bytes had grown by a fraction of a percent missed its own block of the
+last save whenever that crossed a 2 MiB step; a block was pinned for it, the group took its old one
+(the smallest that fits) and the new one was freed unused at the save's end. In a CPU model of
+2-6B states (``benchmarks/results/repin-20261207-cpu.py.txt``) later saves pinned and freed
+0.2-2.8 GB each, as the H100 runs showed (0.76-1.53 GB of extra host memory in later saves,
+``docs/benchmarks.md``); with the last save's sizes, none.
 
 Compressor thread only (one object per ``fence`` save); the pinning runs on the pool's threads.
 """
@@ -162,9 +163,9 @@ class SpillReservation:
     resolved (spilling or not): it is topped up when these fall under half of it."""
     _last: dict[TensorId, int] = field(default_factory=dict)
     """The history's bytes of the last save (this save's replace them in the history)."""
-    _again_last: int = 0
-    _again_now: int = 0
-    """Stored bytes, in the last save and in this one, of the tensors resolved so far that both have."""
+    _again: dict[tuple[str, torch.dtype] | None, list[int]] = field(default_factory=dict)
+    """Per class (and None: all), the stored bytes in the last save and in this one of the tensors
+    resolved so far that both have: how far this save has moved from the last."""
 
     def __post_init__(self) -> None:
         if self.history is not None:
@@ -177,7 +178,6 @@ class SpillReservation:
     def _estimate(self, tensors: Iterable[SpillTensor]) -> tuple[int, bool]:
         """The estimate, and whether every tensor's comes from the last save (a near one)."""
         whole = self._seen_stored / self._seen_raw if self._seen_raw else 1.0
-        drift = self._again_now / self._again_last if self._again_last else 1.0
         total, known = 0.0, True
         for t in tensors:
             last = self._last.get((t.key, t.dtype, t.raw_bytes))
@@ -185,7 +185,10 @@ class SpillReservation:
                 known = False
                 total += t.raw_bytes * self._ratio(t, whole)
             else:
-                total += last * drift
+                # A class's own drift where this save has seen it (one class may move far, as Adam's
+                # moments do early in training), else the whole save's.
+                last_bytes, now_bytes = self._again.get(tensor_class(t.key, t.dtype)) or self._again.get(None) or (1, 1)
+                total += last * now_bytes / last_bytes
         return max(1, math.ceil(total)), known
 
     def _ratio(self, tensor: SpillTensor, unseen: float) -> float:
@@ -212,9 +215,11 @@ class SpillReservation:
             if self.history is not None:
                 self.history.stored[tensor_id] = n
             last = self._last.get(tensor_id)
-            if last is not None:
-                self._again_last += last
-                self._again_now += n
+            if last:
+                for drift in (self._again.setdefault(tensor_class(t.key, t.dtype), [0, 0]),
+                              self._again.setdefault(None, [0, 0])):  # fmt: skip
+                    drift[0] += last
+                    drift[1] += n
             if t.raw_bytes:
                 self._seen_raw += t.raw_bytes
                 self._seen_stored += n
