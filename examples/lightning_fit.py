@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from asyncckpt.integrations.lightning import AsyncCkptIO, load_from_checkpoint
+from asyncckpt.integrations.lightning import AsyncCkptIO, AsyncCkptPreallocate, load_from_checkpoint
 
 
 class Regressor(L.LightningModule):
@@ -50,7 +50,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = Regressor()
     trainer = L.Trainer(max_epochs=args.epochs, default_root_dir=args.dir, plugins=[AsyncCkptIO(codec="zstd")],
-                        callbacks=[ModelCheckpoint(dirpath=Path(args.dir) / "checkpoints", save_last=True)],
+                        # AsyncCkptPreallocate: the staging is allocated after the first step, not by the first save
+                        callbacks=[AsyncCkptPreallocate(),
+                                   ModelCheckpoint(dirpath=Path(args.dir) / "checkpoints", save_last=True)],
                         logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     print(f"resuming from {last}" if last.exists() else "starting from scratch", flush=True)
     trainer.fit(model, data, ckpt_path=last if last.exists() else None)  # every save committed at the end of fit

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt.integrations.lightning import AsyncCkptIO  # noqa: E402
+from asyncckpt.integrations.lightning import AsyncCkptIO, AsyncCkptPreallocate  # noqa: E402
 
 pytestmark = [
     # Lightning's own internals warn about torch APIs it uses; not ours to fix.
@@ -103,3 +103,55 @@ def test_remove_checkpoint_and_unsupported_values(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="callbacks/Odd/fn"):  # no pickle: an object it cannot store is named
         io.save_checkpoint({"callbacks": {"Odd": {"fn": print}}}, tmp_path / "y.ckpt")
     io.teardown()
+
+
+class _Staging(L.Callback):
+    """The plugin's host staging at step 2 (before the first save, at the epoch's end, once any
+    preallocation has finished) and when training ends (after that save, before the plugin's teardown)."""
+
+    def __init__(self, preallocation: AsyncCkptPreallocate | None) -> None:
+        self.preallocation = preallocation
+        self.before_first_save: int | None = None
+        self.after_first_save: int | None = None
+
+    @staticmethod
+    def _bytes(trainer: L.Trainer) -> int:
+        checkpointer = trainer.strategy.checkpoint_io._checkpointer  # type: ignore[attr-defined]
+        return 0 if checkpointer is None else checkpointer._backend.stager.host_staging_bytes()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 2 and self.before_first_save is None:
+            if self.preallocation is not None and self.preallocation.thread is not None:
+                self.preallocation.thread.join(60)
+            self.before_first_save = self._bytes(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.checkpoint_io._checkpointer.wait()  # type: ignore[attr-defined]
+        self.after_first_save = self._bytes(trainer)
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_the_preallocate_callback_allocates_the_staging_after_the_first_step_not_at_the_first_save(
+    tmp_path: Path, preallocate: bool
+) -> None:
+    """With AsyncCkptPreallocate the staging exists before the first save, which then allocates
+    nothing more; without it the first save allocates it. The save into that staging is whole."""
+    torch.manual_seed(0)
+    model = Regressor(width=64)  # its first layer's weight (8 KiB) goes through the staging; smaller ones are cloned
+    preallocation = AsyncCkptPreallocate() if preallocate else None
+    probe = _Staging(preallocation)
+    gen = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 64, generator=gen), torch.randn(64, 1, generator=gen)),
+                      batch_size=16)  # fmt: skip
+    trainer = _trainer(tmp_path, epochs=1, plugins=[AsyncCkptIO(codec="zstd")])
+    trainer.callbacks = [*([preallocation] if preallocation else []), probe, *trainer.callbacks]
+    trainer.fit(model, data)
+    assert probe.after_first_save is not None and probe.after_first_save > 0
+    if preallocate:
+        assert preallocation is not None and preallocation.thread is not None
+        assert probe.before_first_save == probe.after_first_save
+    else:
+        assert probe.before_first_save == 0
+    saved = asyncckpt.load(tmp_path / "checkpoints" / "epoch=0-step=4.ckpt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved["state_dict"][key], value), key

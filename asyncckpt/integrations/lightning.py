@@ -33,27 +33,38 @@ kinds. Both hand Lightning's own ``load_from_checkpoint`` the checkpoint as a ``
 stream, so hyper-parameters, ``strict``, ``map_location`` and ``on_load_checkpoint`` behave as
 upstream.
 
+Staging ahead of the first save: add :class:`AsyncCkptPreallocate` to the trainer's callbacks
+(``L.Trainer(plugins=[AsyncCkptIO()], callbacks=[AsyncCkptPreallocate(), ...])``). At the end of the
+first optimizer step it has the plugin allocate the staging a save of the model and optimizer state
+needs (pinned host memory, or GPU memory for a device copy), in the background, so the first save
+does not pin tens of GB while training waits. A ``CheckpointIO`` sees no training step, hence the
+callback.
+
 Threads: every method runs on the training thread (Lightning calls them on global rank 0 only).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 
 from .._loader import load
 from .._manifest import MANIFEST_NAME
 from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
 
-__all__ = ["AsyncCkptIO", "AsyncCkptLoadable", "load_from_checkpoint"]
+__all__ = ["AsyncCkptIO", "AsyncCkptLoadable", "AsyncCkptPreallocate", "load_from_checkpoint"]
 
 ModuleT = TypeVar("ModuleT")
+log = logging.getLogger("asyncckpt")
 
 
 class AsyncCkptIO(CheckpointIO):
@@ -74,11 +85,21 @@ class AsyncCkptIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AsyncCkptIO.save_checkpoint takes no storage_options, got {storage_options!r}")
         target = Path(path)
-        if self._checkpointer is None:  # built at the first save: only then is the directory known
-            self._checkpointer = TargetedCheckpointer(target.parent, **self._options)
         step = checkpoint.get("global_step")
         metadata = {"lightning": {"global_step": step if isinstance(step, int) else None, "path": str(target)}}
-        self._checkpointer.save_to(target, _plain(checkpoint), metadata=metadata)
+        self._checkpointer_in(target.parent).save_to(target, _plain(checkpoint), metadata=metadata)
+
+    def preallocate(self, state: dict[str, Any], directory: str | os.PathLike[str]) -> threading.Thread:
+        """Allocate the staging a save of ``state`` (the tensors every checkpoint holds: the model's and
+        the optimizers' states) will need, on a background thread, which is returned started; the
+        checkpoints go to ``directory``. :class:`AsyncCkptPreallocate` calls it after the first step."""
+        return self._checkpointer_in(Path(directory)).preallocate(_plain(state))
+
+    def _checkpointer_in(self, directory: Path) -> TargetedCheckpointer:
+        """The checkpointer, built on first use (a save, or a preallocation): only then is the directory known."""
+        if self._checkpointer is None:
+            self._checkpointer = TargetedCheckpointer(directory, **self._options)
+        return self._checkpointer
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:  # fmt: skip
@@ -105,6 +126,41 @@ class AsyncCkptIO(CheckpointIO):
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             checkpointer.close()
+
+
+class AsyncCkptPreallocate(Callback):
+    """Has :class:`AsyncCkptIO` allocate its staging at the end of the first optimizer step of ``fit``.
+
+    The step creates the optimizer's moments, and every checkpoint takes the same tensors, so the
+    staging sized then is what each save copies or fences into. On the process that saves (global
+    rank 0), when the trainer's checkpoint plugin is an :class:`AsyncCkptIO` and its
+    ``ModelCheckpoint`` has a directory; otherwise it does nothing. A state that cannot be
+    preallocated is a warning, and the first save allocates (and reports what is wrong) as it
+    would without the callback. ``thread`` is the allocation (None until it started). Training
+    thread; the allocation runs on its own.
+    """
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self._done = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._done or trainer.global_step < 1:  # global_step counts optimizer steps (after accumulation)
+            return
+        self._done = True
+        plugin = trainer.strategy.checkpoint_io
+        directory = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if not isinstance(plugin, AsyncCkptIO) or not trainer.is_global_zero or directory is None:
+            return
+        # What Lightning's dump_checkpoint puts in every checkpoint, in its order, without calling the
+        # hooks that dump runs (on_save_checkpoint): those belong to the saves.
+        state = {"state_dict": pl_module.state_dict(),
+                 "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]}  # fmt: skip
+        try:
+            self.thread = plugin.preallocate(state, directory)
+        except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
+            log.warning("asyncckpt: could not allocate the checkpoint staging ahead of the first save "
+                        "(that save will allocate it): %s", exc)  # fmt: skip
 
 
 def _device(map_location: Any) -> str | torch.device:
