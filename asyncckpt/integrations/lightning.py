@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
 from .._loader import load
 from .._manifest import MANIFEST_NAME
@@ -133,8 +134,9 @@ class AsyncCkptPreallocate(Callback):
 
     The step creates the optimizer's moments, and every checkpoint takes the same tensors, so the
     staging sized then is what each save copies or fences into. On the process that saves (global
-    rank 0), when the trainer's checkpoint plugin is an :class:`AsyncCkptIO` and its
-    ``ModelCheckpoint`` has a directory; otherwise it does nothing. A state that cannot be
+    rank 0), when the trainer's checkpoint plugin is an :class:`AsyncCkptIO`, its ``ModelCheckpoint``
+    has a directory and the state is replicated (one device, or DDP: FSDP and DeepSpeed shard it and
+    bypass ``CheckpointIO``); otherwise it does nothing. A state that cannot be
     preallocated is a warning, and the first save allocates (and reports what is wrong) as it
     would without the callback. ``thread`` is the allocation (None until it started). Training
     thread; the allocation runs on its own.
@@ -148,14 +150,16 @@ class AsyncCkptPreallocate(Callback):
         if self._done or trainer.global_step < 1:  # global_step counts optimizer steps (after accumulation)
             return
         self._done = True
-        plugin = trainer.strategy.checkpoint_io
-        directory = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if not isinstance(plugin, AsyncCkptIO) or not trainer.is_global_zero or directory is None:
+        strategy, directory = trainer.strategy, getattr(trainer.checkpoint_callback, "dirpath", None)
+        if not isinstance(strategy.checkpoint_io, AsyncCkptIO) or not trainer.is_global_zero or directory is None:
             return
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(strategy, DeepSpeedStrategy):
+            return  # sharded state: gathering it is a collective, which this rank alone would wait on forever
         # What Lightning's dump_checkpoint puts in every checkpoint, in its order, without calling the
-        # hooks that dump runs (on_save_checkpoint): those belong to the saves.
-        state = {"state_dict": pl_module.state_dict(),
-                 "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]}  # fmt: skip
+        # hooks that dump runs (on_save_checkpoint): those belong to the saves. The optimizers' own
+        # state_dict(): the strategy's optimizer_state() may consolidate a sharded optimizer (a collective).
+        state = {"state_dict": pl_module.state_dict(), "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
+        plugin = strategy.checkpoint_io
         try:
             self.thread = plugin.preallocate(state, directory)
         except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
