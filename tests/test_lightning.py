@@ -113,6 +113,7 @@ class _Staging(L.Callback):
         self.preallocation = preallocation
         self.before_first_save: int | None = None
         self.after_first_save: int | None = None
+        self.directory: Path | None = None
 
     @staticmethod
     def _bytes(trainer: L.Trainer) -> int:
@@ -126,32 +127,39 @@ class _Staging(L.Callback):
             self.before_first_save = self._bytes(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.checkpoint_io._checkpointer.wait()  # type: ignore[attr-defined]
+        checkpointer = trainer.strategy.checkpoint_io._checkpointer  # type: ignore[attr-defined]
+        checkpointer.wait()
+        self.directory = checkpointer.directory
         self.after_first_save = self._bytes(trainer)
 
 
-@pytest.mark.parametrize("preallocate", [True, False])
-def test_the_preallocate_callback_allocates_the_staging_after_the_first_step_not_at_the_first_save(
-    tmp_path: Path, preallocate: bool
-) -> None:
-    """With AsyncCkptPreallocate the staging exists before the first save, which then allocates
-    nothing more; without it the first save allocates it. The save into that staging is whole."""
+def _fit_probed(root: Path, preallocation: AsyncCkptPreallocate | None) -> tuple[_Staging, Regressor]:
     torch.manual_seed(0)
     model = Regressor(width=64)  # its first layer's weight (8 KiB) goes through the staging; smaller ones are cloned
-    preallocation = AsyncCkptPreallocate() if preallocate else None
     probe = _Staging(preallocation)
     gen = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 64, generator=gen), torch.randn(64, 1, generator=gen)),
                       batch_size=16)  # fmt: skip
-    trainer = _trainer(tmp_path, epochs=1, plugins=[AsyncCkptIO(codec="zstd")])
+    trainer = _trainer(root, epochs=1, plugins=[AsyncCkptIO(codec="zstd")])
     trainer.callbacks = [*([preallocation] if preallocation else []), probe, *trainer.callbacks]
     trainer.fit(model, data)
-    assert probe.after_first_save is not None and probe.after_first_save > 0
-    if preallocate:
-        assert preallocation is not None and preallocation.thread is not None
-        assert probe.before_first_save == probe.after_first_save
-    else:
-        assert probe.before_first_save == 0
-    saved = asyncckpt.load(tmp_path / "checkpoints" / "epoch=0-step=4.ckpt")
-    for key, value in model.state_dict().items():
-        assert torch.equal(saved["state_dict"][key], value), key
+    return probe, model
+
+
+def test_the_preallocate_callback_allocates_the_staging_after_the_first_step_not_at_the_first_save(
+    tmp_path: Path,
+) -> None:
+    """Without AsyncCkptPreallocate the first save allocates the staging; with it, the staging exists
+    before the first save, as large as that save needs (it then allocates nothing more), in the
+    checkpoints' directory, and again in a second fit with the same callback (the plugin's teardown
+    closed the first fit's). The save into that staging is whole."""
+    plain, _model = _fit_probed(tmp_path / "plain", None)
+    assert plain.before_first_save == 0 and plain.after_first_save is not None and plain.after_first_save > 0
+    preallocation = AsyncCkptPreallocate()
+    for run in ("first", "second"):
+        probe, model = _fit_probed(tmp_path / run, preallocation)
+        assert preallocation.thread is not None and probe.directory == tmp_path / run / "checkpoints", run
+        assert probe.before_first_save == probe.after_first_save == plain.after_first_save, run
+        saved = asyncckpt.load(tmp_path / run / "checkpoints" / "epoch=0-step=4.ckpt")
+        for key, value in model.state_dict().items():
+            assert torch.equal(saved["state_dict"][key], value), key

@@ -80,6 +80,7 @@ class AsyncCkptIO(CheckpointIO):
     def __init__(self, **options: Any) -> None:
         self._options = options
         self._checkpointer: TargetedCheckpointer | None = None
+        self._preallocation: threading.Thread | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:  # fmt: skip
@@ -94,7 +95,8 @@ class AsyncCkptIO(CheckpointIO):
         """Allocate the staging a save of ``state`` (the tensors every checkpoint holds: the model's and
         the optimizers' states) will need, on a background thread, which is returned started; the
         checkpoints go to ``directory``. :class:`AsyncCkptPreallocate` calls it after the first step."""
-        return self._checkpointer_in(Path(directory)).preallocate(_plain(state))
+        self._preallocation = self._checkpointer_in(Path(directory)).preallocate(_plain(state))
+        return self._preallocation
 
     def _checkpointer_in(self, directory: Path) -> TargetedCheckpointer:
         """The checkpointer, built on first use (a save, or a preallocation): only then is the directory known."""
@@ -125,6 +127,9 @@ class AsyncCkptIO(CheckpointIO):
     def teardown(self) -> None:
         """Finish every in-flight save (end of ``fit``); raises a background failure once."""
         checkpointer, self._checkpointer = self._checkpointer, None
+        preallocation, self._preallocation = self._preallocation, None
+        if preallocation is not None:
+            preallocation.join()  # a fit that ends within its first steps: never free staging still being allocated
         if checkpointer is not None:
             checkpointer.close()
 
@@ -138,13 +143,18 @@ class AsyncCkptPreallocate(Callback):
     has a directory and the state is replicated (one device, or DDP: FSDP and DeepSpeed shard it and
     bypass ``CheckpointIO``); otherwise it does nothing. A state that cannot be
     preallocated is a warning, and the first save allocates (and reports what is wrong) as it
-    would without the callback. ``thread`` is the allocation (None until it started). Training
-    thread; the allocation runs on its own.
+    would without the callback; so is a checkpoint that holds more than those states (an EMA copy
+    of the weights): its first save grows the staging. ``thread`` is the allocation (None until it
+    started). Training thread; the allocation runs on its own, and the plugin's ``teardown`` waits
+    for it.
     """
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self._done = False
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._done = False  # the plugin's teardown closed the last fit's checkpointer and its staging
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._done or trainer.global_step < 1:  # global_step counts optimizer steps (after accumulation)
