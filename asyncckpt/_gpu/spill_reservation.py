@@ -46,7 +46,8 @@ last save whenever that crossed a 2 MiB step; a block was pinned for it, the gro
 (the smallest that fits) and the new one was freed unused at the save's end. In a CPU model of
 2-6B states (``benchmarks/results/repin-20261207-cpu.py.txt``) later saves pinned and freed
 0.2-2.8 GB each, as the H100 runs showed (0.76-1.53 GB of extra host memory in later saves,
-``docs/benchmarks.md``); with the last save's sizes, none.
+``docs/benchmarks.md``); with the last save's sizes and the pool keeping a slightly larger unused
+block in place of a used one (``PinnedPool.recycle``), none.
 
 Compressor thread only (one object per ``fence`` save); the pinning runs on the pool's threads.
 """
