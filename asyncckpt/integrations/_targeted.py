@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from .._persist import SaveJob, check_extra_files, persist_to
 from .._retention import delete_checkpoint_dir
 from ..errors import CheckpointError
 from ..result import SaveResult
+
+log = logging.getLogger("asyncckpt")
 
 
 class TargetPaths:
@@ -120,3 +124,15 @@ def remove_checkpoint_dir(path: str | os.PathLike[str]) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
+
+
+def preallocate_or_warn(start: Callable[[], threading.Thread]) -> threading.Thread | None:
+    """The integrations' staging ahead of the first save: ``start()``'s allocation thread, or None with
+    a warning when it could not be started (the first save then allocates, and reports what is
+    wrong). Training thread."""
+    try:
+        return start()
+    except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
+        log.warning("asyncckpt: could not allocate the checkpoint staging ahead of the first save "
+                    "(that save will allocate it): %s", exc)  # fmt: skip
+        return None

@@ -58,7 +58,6 @@ and a background thread of asyncckpt's allocates the staging.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import re
@@ -77,7 +76,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .._loader import load
 from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointError
-from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
+from ._targeted import TargetedCheckpointer, preallocate_or_warn, remove_checkpoint_dir
 
 __all__ = ["STATE_DIR", "AsyncCkptTrainer", "AsyncCkptTrainerMixin", "is_asyncckpt_checkpoint"]
 
@@ -85,8 +84,6 @@ STATE_DIR = "asyncckpt"
 """The subdirectory of ``checkpoint-N/`` holding the asyncckpt checkpoint of the training state."""
 
 _HUB_FOLDER_STRATEGIES = ("checkpoint", "all_checkpoints")  # upload the checkpoint folder itself
-
-log = logging.getLogger("asyncckpt")
 
 
 def is_asyncckpt_checkpoint(path: str | os.PathLike[str] | None) -> bool:
@@ -194,11 +191,11 @@ class AsyncCkptTrainerMixin:
         strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
         if not trainer.args.should_save or trainer.args.save_only_model or strategy == "no":
             return
-        try:
-            self.asyncckpt_preallocation = self.checkpointer.preallocate(self._training_state())
-        except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
-            log.warning("asyncckpt: could not allocate the checkpoint staging ahead of the first save "
-                        "(that save will allocate it): %s", exc)  # fmt: skip
+
+        def start() -> threading.Thread:  # the state too is taken within the warning's reach, as before
+            return self.checkpointer.preallocate(self._training_state())
+
+        self.asyncckpt_preallocation = preallocate_or_warn(start)
 
     def _training_state(self) -> dict[str, Any]:
         """Optimizer, scheduler, scaler and RNG states: upstream's optimizer.pt/scheduler.pt/scaler.pt/rng_state.pth."""

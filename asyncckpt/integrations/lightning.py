@@ -46,7 +46,6 @@ Threads: every method runs on the training thread (Lightning calls them on globa
 from __future__ import annotations
 
 import io
-import logging
 import os
 import threading
 from collections import OrderedDict
@@ -60,12 +59,11 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 
 from .._loader import load
 from .._manifest import MANIFEST_NAME
-from ._targeted import TargetedCheckpointer, remove_checkpoint_dir
+from ._targeted import TargetedCheckpointer, preallocate_or_warn, remove_checkpoint_dir
 
 __all__ = ["AsyncCkptIO", "AsyncCkptLoadable", "AsyncCkptPreallocate", "load_from_checkpoint"]
 
 ModuleT = TypeVar("ModuleT")
-log = logging.getLogger("asyncckpt")
 
 
 class AsyncCkptIO(CheckpointIO):
@@ -170,11 +168,7 @@ class AsyncCkptPreallocate(Callback):
         # state_dict(): the strategy's optimizer_state() may consolidate a sharded optimizer (a collective).
         state = {"state_dict": pl_module.state_dict(), "optimizer_states": [o.state_dict() for o in trainer.optimizers]}
         plugin = strategy.checkpoint_io
-        try:
-            self.thread = plugin.preallocate(state, directory)
-        except Exception as exc:  # noqa: BLE001 - the first save allocates instead, and reports what is wrong
-            log.warning("asyncckpt: could not allocate the checkpoint staging ahead of the first save "
-                        "(that save will allocate it): %s", exc)  # fmt: skip
+        self.thread = preallocate_or_warn(lambda: plugin.preallocate(state, directory))
 
 
 def _device(map_location: Any) -> str | torch.device:
