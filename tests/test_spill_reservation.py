@@ -60,11 +60,14 @@ def packed_size(stored: list[int]) -> int:
 
 
 def simulate(pool: VirtualPool, groups: list[list[tuple[SpillTensor, int]]], resident: int,
-             ahead: int = 2 * GiB) -> list[int]:  # fmt: skip
+             ahead: int = 2 * GiB, history: SpillHistory | None = None,
+             held: list[PinnedBlock] | None = None) -> list[int]:  # fmt: skip
     """A fence save's compressor: each group resolved in order, the reservation told, then the group
-    kept on the GPU while it fits or its packed bytes copied to a block. Returns the packed sizes spilled."""
-    reservation = SpillReservation(pool, ahead_bytes=ahead)
-    spilled, held = [], []
+    kept on the GPU while it fits or its packed bytes copied to a block. Returns the packed sizes
+    spilled; their blocks go to ``held`` (for the save's end to recycle) when given."""
+    reservation = SpillReservation(pool, ahead_bytes=ahead, history=history)
+    spilled: list[int] = []
+    held = [] if held is None else held
     for i, group in enumerate(groups):
         packed = packed_size([n for _t, n in group])
         stored = sum(n for _t, n in group)
@@ -435,21 +438,9 @@ def later_saves(state: list[tuple[SpillTensor, float]], group_bytes: int, saves:
     plan = plan_groups([t.raw_bytes for t, _ratio in state], group_bytes)
     pinned, freed, spilled = [], [], []
     for _ in range(saves):
-        reservation = SpillReservation(pool, history=history)
         before, held = pool.pinned_bytes_total, []
         stored = [(t, max(1, int(t.raw_bytes * r * (1 + rng.uniform(-0.01, 0.01))))) for t, r in state]
-        groups = [[stored[i] for i in g] for g in plan]
-        spilled = []
-        for i, group in enumerate(groups):
-            packed = packed_size([n for _t, n in group])
-            upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
-            reservation.group_resolved(group, sum(n for _t, n in group), packed, upcoming, 0)
-            pool.join()
-            block = pool.acquire(packed)
-            assert block is not None and block.nbytes >= packed
-            held.append(block)
-            spilled.append(packed)
-        pool.join()
+        spilled = simulate(pool, [[stored[i] for i in g] for g in plan], 0, history=history, held=held)
         pinned.append(pool.pinned_bytes_total - before)
         freed.append(pool.recycle(held))
     return pinned, freed, spilled, pool
@@ -502,15 +493,9 @@ def test_a_class_whose_ratio_moved_far_since_the_last_save_is_estimated_by_its_o
         ratio = {"weight": 0.855, "exp_avg": moments[0], "exp_avg_sq": moments[1]}
         stored = [(t, max(1, int(t.raw_bytes * (r if r == 1.0 else ratio[tensor_class(t.key, t.dtype)[0]]))))
                   for t, r in state]  # fmt: skip
-        groups = [[stored[i] for i in g] for g in plan]
-        reservation, held = SpillReservation(pool, history=history), []
+        held: list[PinnedBlock] = []
         pool.front = []
-        for i, group in enumerate(groups):
-            packed = packed_size([n for _t, n in group])
-            upcoming = ([t for t, _n in later] for later in groups[i + 1 :])
-            reservation.group_resolved(group, sum(n for _t, n in group), packed, upcoming, 0)
-            pool.join()
-            held.append(pool.acquire(packed))
+        simulate(pool, [[stored[i] for i in g] for g in plan], 0, history=history, held=held)
         pool.recycle(held)
     assert pool.front == [], [n / MiB for n in pool.front]
     pool.close()
