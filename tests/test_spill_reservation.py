@@ -305,9 +305,9 @@ def test_a_save_that_stays_on_the_gpu_walks_its_window_once_per_half_window() ->
     class Counting(SpillReservation):
         calls = 0
 
-        def estimate(self, tensors):  # type: ignore[no-untyped-def]
-            Counting.calls += 1
-            return super().estimate(tensors)
+        def _estimate(self, tensors):  # type: ignore[no-untyped-def]
+            Counting.calls += 1  # what group_resolved asks, per group of the window it walks
+            return super()._estimate(tensors)
 
     pool = VirtualPool(budget_bytes=GiB)
     groups = training_state(128, 128, {"weight": 0.8, "exp_avg": 0.9, "exp_avg_sq": 0.6}, 100 * MiB, [1.0])
@@ -319,7 +319,7 @@ def test_a_save_that_stays_on_the_gpu_walks_its_window_once_per_half_window() ->
         reservation.group_resolved(group, stored, packed_size([n for _t, n in group]), upcoming, resident)
         resident -= stored
     # A 2 GiB window holds ~25 groups here: re-walked after every group, ~25 estimates a group.
-    assert Counting.calls <= 3 * len(groups), Counting.calls
+    assert 0 < Counting.calls <= 3 * len(groups), Counting.calls
     assert pool.asked == [], "nothing spills, nothing is pinned"
     pool.close()
 
